@@ -1,0 +1,28 @@
+# Set-up and checks. `make test` and `make doctor` create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+CONSTRAINTS ?= constraints/cpu.txt
+PY  := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install test doctor clean
+
+# .venv/.installed is rewritten whenever the package's install inputs change.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+	$(PIP) install --quiet -c $(CONSTRAINTS) "$$(grep -E '^torch==' $(CONSTRAINTS))"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+doctor: $(VENV)/.installed
+	$(VENV)/bin/hilore-verl doctor
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
