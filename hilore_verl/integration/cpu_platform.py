@@ -30,15 +30,31 @@ def _host_memory() -> tuple[int, int]:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
+class CpuStream(torch.cpu.Stream):
+    """A CPU "stream" with CUDA's call signatures. CPU work is synchronous, so ordering calls are no-ops."""
+
+    def record_event(self, event: torch.cpu.Event | None = None) -> torch.cpu.Event:
+        return event if event is not None else torch.cpu.Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
 class CpuDeviceModule:
     """What verl calls on `get_torch_device()`, answered for the CPU. Anything else is an AttributeError."""
 
-    # Streams, events and device selection: torch.cpu has them.
-    Stream = torch.cpu.Stream
+    Stream = CpuStream
     Event = torch.cpu.Event
     stream = staticmethod(torch.cpu.stream)
-    current_stream = staticmethod(torch.cpu.current_stream)
     synchronize = staticmethod(torch.cpu.synchronize)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> CpuStream:
+        return _DEFAULT_STREAM
+
     set_device = staticmethod(torch.cpu.set_device)
 
     @staticmethod

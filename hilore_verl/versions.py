@@ -1,4 +1,4 @@
-"""Supported verl / torch ranges and the start-up check. Reads installed metadata only: no verl import."""
+"""Supported verl / torch ranges and the start-up check. Reads installed metadata only: never imports verl."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 # Keep in step with pyproject.toml (tests/test_versions_on_cpu.py checks that they agree).
-SUPPORTED = {
-    "verl": SpecifierSet(">=0.9.1,<0.10"),
-    "torch": SpecifierSet(">=2.10,<2.14"),
+SUPPORTED: dict[str, str] = {
+    "verl": ">=0.9.1,<0.10",
+    "torch": ">=2.10,<2.14",
 }
 
 
@@ -47,8 +47,8 @@ def version_problems(found: dict[str, str | None] | None = None) -> list[Version
     problems = []
     for package, spec in SUPPORTED.items():
         version = found[package] if found is not None else installed_version(package)
-        if version is None or _release(version) not in spec:
-            problems.append(VersionProblem(package, version, str(spec)))
+        if version is None or _release(version) not in SpecifierSet(spec):
+            problems.append(VersionProblem(package, version, spec))
     return problems
 
 

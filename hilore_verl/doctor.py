@@ -1,0 +1,135 @@
+"""`hilore-verl doctor`: can hilore-verl and verl's FSDP2 engine run here? Prints each check and a verdict.
+
+Importing this module imports nothing heavy; each check imports what it needs, so a missing or
+broken dependency becomes a failed check with a fix, not a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, TextIO
+
+from hilore_verl.versions import SUPPORTED, installed_version, version_problems
+
+PACKAGES = ("torch", "triton", "verl", "transformers")
+
+
+@dataclass
+class Check:
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def check_versions() -> Check:
+    found = {p: installed_version(p) for p in PACKAGES}
+    detail = f"python {platform.python_version()}, " + ", ".join(f"{p} {v or 'missing'}" for p, v in found.items())
+    problems = version_problems()
+    if found["transformers"] is None:
+        problems_text = "transformers is not installed"
+    else:
+        problems_text = "; ".join(str(p) for p in problems)
+    ok = not problems and found["transformers"] is not None
+    ranges = ", ".join(f"{p}{s}" for p, s in SUPPORTED.items())
+    return Check(ok, detail, "" if ok else f"{problems_text} (supported: {ranges})")
+
+
+def check_device() -> Check:
+    import torch
+
+    if torch.cuda.is_available():
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return Check(True, f"{torch.cuda.device_count()} CUDA device(s): {', '.join(names)}")
+    return Check(True, f"no GPU found; CPU only ({os.cpu_count()} cores, {platform.machine()})")
+
+
+def check_plugin() -> Check:
+    entry = [ep for ep in metadata.entry_points(group="verl.plugins") if ep.value.startswith("hilore_verl")]
+    if not entry:
+        return Check(False, "no 'verl.plugins' entry point for hilore_verl",
+                     "reinstall hilore-verl into this environment (pip install -e . or pip install hilore-verl)")
+    policy = os.getenv("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none" or (policy != "auto" and entry[0].name not in policy.split(",")):
+        return Check(False, f"verl plugin loading is restricted: VERL_USE_EXTERNAL_PLUGINS={policy}",
+                     f"unset VERL_USE_EXTERNAL_PLUGINS or add '{entry[0].name}' to it")
+    import verl  # noqa: F401  (loads the entry points)
+    from hilore_verl.plugin import STATUS
+
+    if not STATUS.loaded:
+        return Check(False, f"entry point found but loading failed: {STATUS.error}",
+                     "fix the error above; verl otherwise ignores the plugin silently")
+    return Check(True, f"loaded by `import verl`; registered {', '.join(STATUS.registered)}")
+
+
+def check_platform() -> Check:
+    from verl.plugin.platform import get_platform
+
+    from hilore_verl.integration.cpu_platform import PlatformCPU
+
+    current = get_platform()
+    if isinstance(current, PlatformCPU):
+        return Check(True, "cpu (hilore-verl's CPU platform: gloo collectives, no accelerator)")
+    return Check(True, f"{current.device_name} ({type(current).__name__}, vendor {current.vendor_name})")
+
+
+def check_engine() -> Check:
+    from hilore_verl.integration.selfcheck import engine_selfcheck
+
+    # verl and transformers print set-up chatter while the engine builds: keep it for failures only.
+    chatter = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            warnings.simplefilter("ignore")
+            result = engine_selfcheck()
+    except Exception:
+        sys.stderr.write(chatter.getvalue())
+        raise
+    if not result.ok:
+        sys.stderr.write(chatter.getvalue())
+    detail = f"{result.detail} ({result.seconds:.1f} s)"
+    return Check(result.ok, detail, "" if result.ok else "see the detail; run the tests for more")
+
+
+CHECKS: tuple[tuple[str, Callable[[], Check], tuple[str, ...]], ...] = (
+    # (name, check, checks that must have passed for it to run)
+    ("versions", check_versions, ()),
+    ("device", check_device, ()),
+    ("verl plugin", check_plugin, ("versions",)),
+    ("verl platform", check_platform, ("verl plugin",)),
+    ("FSDP2 engine", check_engine, ("verl plugin",)),
+)
+
+
+def run(out: TextIO = sys.stdout) -> int:
+    """Run every check, print a line each and a verdict; 0 when hilore-verl is usable here."""
+    from hilore_verl import __version__
+
+    print(f"hilore-verl {__version__} doctor", file=out, flush=True)
+    results: dict[str, Check] = {}
+    for name, check_fn, needs in CHECKS:
+        blocked = [n for n in needs if not results[n].ok]
+        if blocked:
+            check = Check(False, f"skipped: needs {', '.join(blocked)}")
+        else:
+            try:
+                check = check_fn()
+            except Exception as exc:  # noqa: BLE001 - a failed check, with its reason
+                check = Check(False, f"{type(exc).__name__}: {exc}", "see the error above")
+        results[name] = check
+        print(f"  [{'ok' if check.ok else 'FAIL'}] {name}: {check.detail}", file=out, flush=True)
+    failed = {name: c for name, c in results.items() if not c.ok}
+    if failed:
+        print("verdict: NOT usable here. To fix:", file=out)
+        for name, c in failed.items():
+            if c.fix:
+                print(f"  - {name}: {c.fix}", file=out)
+        return 1
+    print("verdict: usable here.", file=out)
+    return 0
