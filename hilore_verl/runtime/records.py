@@ -1,0 +1,155 @@
+"""What the runtime holds between forward and backward, and how a dropped tensor is regenerated.
+
+A saved tensor is held as one of:
+  - the tensor itself (KEEP, and everything the runtime does not manage);
+  - `Compressed`: a quantized payload, dequantized on unpack;
+  - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
+    tensor appears in that call (a locator); unpack re-runs the call once and hands out the result.
+
+Locators, all relative to one call of a unit's module:
+  ("own", n)          the n-th tensor saved by the module's own code (not inside a child unit's module)
+  ("out", path)       the call's output at `path`
+  ("child_in", j, p)  the input at path `p` of the call's j-th child unit-module call
+A saved view of a boundary tensor (an output or child input) keeps its geometry relative to it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from hilore_verl.kernels import QuantizedTensor
+
+Geometry = tuple[torch.Size, tuple[int, ...], int]  # size, stride, storage offset relative to the anchor
+
+
+def geometry_of(t: torch.Tensor, anchor: torch.Tensor) -> Geometry | None:
+    """None when `t` has the anchor's exact view (the common case), else how to re-view the anchor."""
+    if t.shape == anchor.shape and t.stride() == anchor.stride() and t.storage_offset() == anchor.storage_offset():
+        return None
+    return t.shape, t.stride(), t.storage_offset() - anchor.storage_offset()
+
+
+def apply_geometry(t: torch.Tensor, geometry: Geometry | None) -> torch.Tensor:
+    if geometry is None:
+        return t
+    size, stride, rel = geometry
+    return t.as_strided(size, stride, t.storage_offset() + rel)
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """One distinct view: storage address, offset, shape, stride, dtype."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+class LiveKeyMap:
+    """storage key -> value, valid only while the tensor it was stored for is alive.
+
+    Once a tensor is freed, the allocator may give its address to a later tensor of the same
+    shape; a plain dict keyed by address would then hand the old value to the new tensor.
+    """
+
+    def __init__(self):
+        self._items: dict[tuple, tuple[weakref.ref, Any]] = {}
+
+    def get(self, key: tuple) -> Any:
+        hit = self._items.get(key)
+        if hit is None or hit[0]() is None:
+            return None
+        return hit[1]
+
+    def put(self, key: tuple, t: torch.Tensor, value: Any) -> None:
+        # Watch the base: ops often save a fresh view object (x.view(-1, H)) that dies at once,
+        # while the tensor it views, and so the address, stays alive.
+        self._items[key] = (weakref.ref(t._base if t._base is not None else t), value)
+
+
+class Compressed:
+    __slots__ = ("payload", "device")
+
+    def __init__(self, payload: QuantizedTensor, device: torch.device):
+        self.payload = payload
+        self.device = device  # where the tensor lived (the payload may be on the host)
+
+    def get(self) -> torch.Tensor:
+        payload = self.payload if self.payload.device == self.device else self.payload.to(self.device)
+        return payload.dequantize()
+
+
+class CallRecord:
+    """One forward call of a unit's module: enough to run it again in backward and to find its tensors."""
+
+    __slots__ = ("module", "unit", "children", "inputs", "rng", "autocast", "own_count", "held_output",
+                 "regen", "pending")
+
+    def __init__(self, module: torch.nn.Module, unit: Any):
+        self.module = module
+        self.unit = unit
+        self.children: list[CallRecord] = []
+        self.inputs: tuple[tuple, dict] | None = None  # args / kwargs with tensors held (RECOMPUTE calls only)
+        self.rng: dict | None = None
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        self.own_count = 0
+        self.held_output: Any = None  # for replay inside a recomputed parent call
+        self.regen: dict | None = None  # locator -> regenerated tensor, while handles are pending
+        self.pending: dict = {}  # locator -> handles not yet unpacked
+
+    def drop(self, locator: tuple, geometry: Geometry | None) -> "Dropped":
+        self.pending[locator] = self.pending.get(locator, 0) + 1
+        return Dropped(self, locator, geometry)
+
+    def take(self, locator: tuple, recompute: Callable[["CallRecord"], dict]) -> torch.Tensor:
+        if self.regen is None or locator not in self.regen:
+            self.regen = recompute(self)
+        t = self.regen[locator]
+        left = self.pending.get(locator, 1) - 1
+        if left <= 0:  # last handle for it: let it go (a second backward would recompute again)
+            self.pending.pop(locator, None)
+            self.regen.pop(locator, None)
+        else:
+            self.pending[locator] = left
+        return t
+
+
+class Dropped:
+    __slots__ = ("record", "locator", "geometry", "recompute")
+
+    def __init__(self, record: CallRecord, locator: tuple, geometry: Geometry | None):
+        self.record = record
+        self.locator = locator
+        self.geometry = geometry
+        self.recompute: Callable[[CallRecord], dict] | None = None  # set by the runtime
+
+    def get(self) -> torch.Tensor:
+        return apply_geometry(self.record.take(self.locator, self.recompute), self.geometry)
+
+
+def tensor_leaves(tree: Any, path: tuple = ()):
+    """(path, tensor) for every tensor in nested tuples / lists / dicts."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, (tuple, list)):
+        for i, item in enumerate(tree):
+            yield from tensor_leaves(item, path + (i,))
+    elif isinstance(tree, dict):
+        for key, item in tree.items():
+            yield from tensor_leaves(item, path + (key,))
+
+
+def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
+    """Rebuild nested tuples / namedtuples / lists / dicts with `fn` applied to every leaf."""
+    if is_leaf(tree):
+        return fn(tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(map_tree(x, fn, is_leaf) for x in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tree(x, fn, is_leaf) for x in tree)
+    if isinstance(tree, dict):
+        return {k: map_tree(v, fn, is_leaf) for k, v in tree.items()}
+    return tree
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    return map_tree(tree, fn, lambda x: isinstance(x, torch.Tensor))

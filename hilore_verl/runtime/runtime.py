@@ -1,0 +1,421 @@
+"""The recovery-unit runtime: executes a Plan on a model's saved activations. It decides nothing.
+
+Hooks, installed once by `attach` and removed by `detach`:
+  - on the root module: enter / leave a saved-tensor hook context for each grad-enabled forward;
+  - on every unit module: forward pre/post hooks that keep a stack of call frames, record each call
+    (inputs and RNG state when its unit recomputes) and register the call's inputs and outputs by
+    storage, so a saved tensor is attributed to the unit that *produced* it, wherever it is saved;
+  - a thin `forward` wrapper on every unit module, which during a recompute returns the output
+    held for a child call instead of running it again (selective recompute).
+
+Pack: parameters (and their views or casts), non-float, nested and small tensors pass through
+untouched. Everything else is handled by its producer unit's mode: KEEP returns the tensor,
+COMPRESS a quantized payload (non-finite tensors stay exact and are counted), RECOMPUTE a
+`Dropped` handle. Unpack: dequantize, or re-run the producing call once under its saved RNG
+state and autocast state, with held child outputs replayed, and hand out the regenerated tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import torch
+import torch.nn as nn
+
+from hilore_verl.kernels import quantize
+from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
+from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors, map_tree,
+                                         storage_key, tensor_leaves)
+from hilore_verl.runtime.stats import RuntimeStats, StepStats
+from hilore_verl.units import RecoveryUnit, find_units
+
+logger = logging.getLogger("hilore_verl")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_KWARGS = ("past_key_values", "past_key_value")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    min_bytes: int = 16384
+    """Saved tensors smaller than this are always kept as they are (their bookkeeping would cost more)."""
+
+
+@dataclass
+class _HeldInput:
+    value: Any  # tensor, Compressed or Dropped
+    requires_grad: bool
+
+
+@dataclass
+class _Entry:
+    """A registered boundary tensor: who produced it and where to find it again."""
+    unit: RecoveryUnit | None  # None: produced outside every unit (embedding, rotary tables, residual stream)
+    record: CallRecord | None
+    locator: tuple | None
+    anchor: Any  # weakref to the registered tensor
+
+
+@dataclass
+class _Forward:
+    """State of one grad-enabled forward of the root module."""
+    frames: list[CallRecord] = field(default_factory=list)
+    registry: dict[int, _Entry] = field(default_factory=dict)
+    compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
+    stats: StepStats | None = None
+
+
+class _Replay:
+    """State of one recompute: the call being re-run and what it captures."""
+
+    def __init__(self, target: CallRecord):
+        self.target = target
+        self.frames: list[tuple[nn.Module, Any]] = []  # (module, replayed output or None)
+        self.own: dict[int, torch.Tensor] = {}
+        self.own_count = 0
+        self.child_count = 0
+        self.child_inputs: dict[tuple, torch.Tensor] = {}
+
+
+def _is_parameter_like(t: torch.Tensor) -> bool:
+    """Parameters, views of them (linear weights are saved as a transposed view) and autocast casts of them."""
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+        nxt = fn.next_functions
+        return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    return False
+
+
+class Runtime:
+    """Executes a Plan on a model's recovery units. Create with `hilore_verl.attach(model)`."""
+
+    def __init__(self, model: nn.Module, units: list[RecoveryUnit], config: RuntimeConfig):
+        self.model = model
+        self.units = units
+        self.config = config
+        self._by_name = {u.name: u for u in units}
+        self._module_unit: dict[nn.Module, RecoveryUnit] = {m: u for u in units for m in u.modules}
+        self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
+        self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        self._handles: list[Any] = []
+        self._forward_attrs: list[tuple[nn.Module, Any]] = []
+        self._gc_state: list[tuple[nn.Module, bool, Any]] = []
+        self._fwd: _Forward | None = None
+        self._hook_ctx: ExitStack | None = None
+        self._replay: _Replay | None = None
+        self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
+        self.attached = False
+
+    # ------------------------------------------------------------------ public API
+    def set_plan(self, plan: Union[Plan, Mapping[str, PlanValue]]) -> None:
+        """Swap the plan; takes effect at the next forward. Raises ValueError, leaving the old plan, on bad input."""
+        resolved = Plan.of(plan).resolve([u.name for u in self.units])
+        for unit, unit_plan in zip(self.units, resolved):
+            if unit_plan.mode == Mode.COMPRESS and self._hidden_size and self._hidden_size % unit_plan.group_size:
+                raise ValueError(f"group_size {unit_plan.group_size} for {unit.name} does not divide the hidden size "
+                                 f"{self._hidden_size}; valid group sizes here: "
+                                 f"{[g for g in (32, 64, 128) if self._hidden_size % g == 0]}")
+        self._plans = resolved
+
+    def plan_of(self, name: str) -> UnitPlan:
+        return self._plans[self._unit(name).index]
+
+    def stats(self) -> RuntimeStats:
+        """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored."""
+        return self._last
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper and restore HF gradient checkpointing as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module, previous in self._forward_attrs:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._forward_attrs.clear()
+        for module, enabled, func in self._gc_state:
+            module.gradient_checkpointing = enabled
+            if func is not None:
+                module._gradient_checkpointing_func = func
+        self._gc_state.clear()
+        if self._hook_ctx is not None:
+            self._hook_ctx.close()
+            self._hook_ctx = None
+        self._fwd = None
+        self.attached = False
+        _ATTACHED.discard(self.model)
+
+    # ------------------------------------------------------------------ installation
+    def _install(self) -> None:
+        self._take_over_gradient_checkpointing()
+        root_pre = self.model.register_forward_pre_hook(self._root_pre)
+        self._handles.append(root_pre)
+        self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
+        for module in self._module_unit:
+            self._handles.append(module.register_forward_pre_hook(self._unit_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._unit_post, with_kwargs=True, always_call=True))
+            self._forward_attrs.append((module, module.__dict__.get("forward")))
+            module.forward = self._replaying_forward(module, module.forward)
+        self.attached = True
+
+    def _take_over_gradient_checkpointing(self) -> None:
+        layers = {m for u in self.units if u.layer_index is not None for m in self.model.modules()
+                  if getattr(m, "gradient_checkpointing", False) and any(x is mod for mod in u.modules
+                                                                         for x in m.modules())}
+        for module in layers:
+            self._gc_state.append((module, True, module.__dict__.get("_gradient_checkpointing_func")))
+            module.gradient_checkpointing = False
+        if layers:
+            logger.warning("hilore-verl: turned off Hugging Face gradient checkpointing on %d decoder layers; "
+                           "the runtime now decides per unit what is kept, compressed or recomputed", len(layers))
+
+    def _replaying_forward(self, module: nn.Module, forward):
+        def forward_or_replay(*args, **kwargs):
+            replay = self._replay
+            if replay is not None and replay.frames and replay.frames[-1][0] is module:
+                held = replay.frames[-1][1]
+                if held is not None:
+                    return _materialize(held)
+            return forward(*args, **kwargs)
+
+        return forward_or_replay
+
+    # ------------------------------------------------------------------ forward hooks
+    def _root_pre(self, module, args):
+        if not torch.is_grad_enabled() or self._replay is not None or self._fwd is not None:
+            return
+        self._fwd = _Forward(stats=StepStats.empty(self.units))
+        self._hook_ctx = ExitStack()
+        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+
+    def _root_post(self, module, args, output):
+        if self._hook_ctx is None or self._replay is not None:
+            return
+        self._hook_ctx.close()
+        self._hook_ctx = None
+        self._last = self._fwd.stats.summary(self._plans)  # now, while the held tensors are alive
+        self._fwd = None
+
+    def _unit_pre(self, module, args, kwargs):
+        if self._replay is not None:
+            return self._replay_pre(module, args, kwargs)
+        fwd = self._fwd
+        if fwd is None:
+            return
+        unit = self._module_unit[module]
+        parent = fwd.frames[-1] if fwd.frames else None
+        record = CallRecord(module, unit)
+        child_index = None
+        if parent is not None:
+            child_index = len(parent.children)
+            parent.children.append(record)
+        for path, t in tensor_leaves((args, kwargs)):
+            if t.dtype in FLOAT_DTYPES and not _is_parameter_like(t):
+                self._register(t, parent.unit if parent else None, parent,
+                               ("child_in", child_index, path) if parent else None)
+        if self._plans[unit.index].mode == Mode.RECOMPUTE:
+            record.inputs = map_tensors((args, kwargs), lambda t: _HeldInput(self._hold(t), t.requires_grad))
+            record.rng = _rng_state((args, kwargs))
+            record.autocast = _autocast_state()
+        fwd.frames.append(record)
+
+    def _unit_post(self, module, args, kwargs, output):
+        if self._replay is not None:
+            self._replay.frames.pop()
+            return
+        fwd = self._fwd
+        if fwd is None:
+            return
+        record = fwd.frames.pop()
+        assert record.module is module, "unbalanced unit frames"
+        for path, t in tensor_leaves(output):
+            if t.dtype in FLOAT_DTYPES:
+                self._register(t, record.unit, record, ("out", path))
+        parent = fwd.frames[-1] if fwd.frames else None
+        if (parent is not None and self._plans[parent.unit.index].mode == Mode.RECOMPUTE
+                and self._plans[record.unit.index].mode != Mode.RECOMPUTE):
+            record.held_output = map_tensors(output, lambda t: _HeldInput(self._hold(t), t.requires_grad))
+
+    def _register(self, t: torch.Tensor, unit, record, locator) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        entry = self._fwd.registry.get(ptr)
+        if entry is not None and entry.anchor() is not None:
+            return  # first producer wins (a module may return a view of its input)
+        self._fwd.registry[ptr] = _Entry(unit, record, locator, weakref.ref(t))
+
+    def _lookup(self, t: torch.Tensor) -> _Entry | None:
+        entry = self._fwd.registry.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            return None
+        anchor = entry.anchor()
+        return entry if anchor is not None else None
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+    def _managed(self, t: torch.Tensor) -> bool:
+        return (not t.is_nested and t.dtype in FLOAT_DTYPES
+                and t.numel() * t.element_size() >= self.config.min_bytes and not _is_parameter_like(t))
+
+    def _pack(self, t: torch.Tensor):
+        if self._replay is not None:
+            return self._replay_pack(t)
+        fwd = self._fwd
+        frame = fwd.frames[-1] if fwd.frames else None
+        own_index = None
+        if frame is not None:
+            own_index = frame.own_count
+            frame.own_count += 1
+        if t.is_nested or not self._managed(t):
+            fwd.stats.add_unmanaged(t, _is_parameter_like(t) if not t.is_nested else False)
+            return t
+        entry = self._lookup(t)
+        if entry is not None:
+            unit, record, locator = entry.unit, entry.record, entry.locator
+            geometry = geometry_of(t, entry.anchor()) if record is not None else None
+        elif frame is not None:
+            unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
+        else:
+            unit = None
+        if unit is None:
+            fwd.stats.add_unmanaged(t, False)
+            return t
+        return self._store(t, unit, record, locator, geometry, fwd)
+
+    def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
+        """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
+        only to re-run a call later; counted as held, not saved)."""
+        plan = self._plans[unit.index]
+        key = storage_key(t)
+        count = fwd.stats.add if saved else fwd.stats.add_held
+        if plan.mode == Mode.KEEP:
+            count(unit, key, t, stored=t.numel() * t.element_size())
+            return t
+        if plan.mode == Mode.COMPRESS:
+            held = fwd.compressed.get(key)
+            if held is None:
+                if not bool(torch.isfinite(t).all()):
+                    count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=True)
+                    return t
+                payload = quantize(t.detach(), plan.fmt, plan.group_size)
+                if plan.offload:
+                    payload = payload.to("cpu", copy=True)
+                held = Compressed(payload, t.device)
+                fwd.compressed.put(key, t, held)
+            count(unit, key, t, stored=held.payload.nbytes)
+            return held
+        handle = record.drop(locator, geometry)
+        handle.recompute = self._recompute
+        count(unit, key, t, stored=0)
+        return handle
+
+    def _hold(self, t: torch.Tensor):
+        """How a tensor needed for a later recompute is held: by its producer's mode."""
+        entry = self._lookup(t) if self._managed(t) else None
+        if entry is None or entry.unit is None or entry.record is None:
+            self._fwd.stats.add_unmanaged_held(t)
+            return t
+        return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
+                           saved=False)
+
+    # ------------------------------------------------------------------ recompute
+    def _recompute(self, record: CallRecord) -> dict:
+        args, kwargs = _materialize(record.inputs)
+        for key in _CACHE_KWARGS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        replay = _Replay(record)
+        outer, self._replay = self._replay, replay
+        try:
+            with ExitStack() as stack:
+                devices = [d for d in record.rng if d != "cpu"]
+                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"))
+                torch.set_rng_state(record.rng["cpu"])
+                for d in devices:
+                    torch.cuda.set_rng_state(record.rng[d], d)
+                for device_type, enabled, dtype in record.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+                stack.enter_context(torch.enable_grad())
+                output = record.module(*args, **kwargs)
+        finally:
+            self._replay = outer
+        regen: dict[tuple, torch.Tensor] = {("own", n): t for n, t in replay.own.items()}
+        regen.update({("out", path): t.detach() for path, t in tensor_leaves(output)})
+        regen.update(replay.child_inputs)
+        return regen
+
+    def _replay_pre(self, module, args, kwargs):
+        replay = self._replay
+        held = None
+        if replay.frames and replay.frames[-1][0] is replay.target.module and len(replay.frames) == 1:
+            j = replay.child_count
+            replay.child_count += 1
+            for path, t in tensor_leaves((args, kwargs)):
+                replay.child_inputs[("child_in", j, path)] = t.detach()
+            held = replay.target.children[j].held_output
+        replay.frames.append((module, held))
+
+    def _replay_pack(self, t: torch.Tensor):
+        replay = self._replay
+        if len(replay.frames) == 1:  # the target's own code
+            replay.own[replay.own_count] = t.detach() if t.requires_grad else t
+            replay.own_count += 1
+        return t
+
+
+def _unpack(x):
+    return x if isinstance(x, torch.Tensor) else x.get()
+
+
+def _materialize(held_tree):
+    """Tensors back from what `_HeldInput`s hold, detached, with their original requires_grad."""
+    return map_tree(held_tree, _materialize_one, lambda x: isinstance(x, _HeldInput))
+
+
+def _materialize_one(held: _HeldInput) -> torch.Tensor:
+    value = held.value
+    t = (value if isinstance(value, torch.Tensor) else value.get()).detach()
+    return t.requires_grad_(held.requires_grad) if held.requires_grad else t
+
+
+def _rng_state(inputs) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    for _, t in tensor_leaves(inputs):
+        if t.is_cuda and t.device.index not in state:
+            state[t.device.index] = torch.cuda.get_rng_state(t.device)
+    return state
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    state = []
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, True, torch.get_autocast_dtype(device_type)))
+    return state
+
+
+_ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def attach(model: nn.Module, config: RuntimeConfig | None = None) -> Runtime:
+    """Find the model's recovery units and install the runtime's hooks; every unit starts on "keep"."""
+    if model in _ATTACHED:
+        raise ValueError(f"a hilore-verl runtime is already attached to this {type(model).__name__}; "
+                         "call detach() on it first")
+    runtime = Runtime(model, find_units(model), config or RuntimeConfig())
+    try:
+        runtime._install()
+    except Exception:
+        runtime.detach()
+        raise
+    _ATTACHED.add(model)
+    return runtime

@@ -1,0 +1,125 @@
+"""Byte accounting of one forward: what each unit's saved tensors would take and what is stored.
+
+A saved tensor is counted once per distinct view (storage, offset, shape, stride, dtype), however
+many ops save it; its bytes are its logical size (numel x element size). "Stored" is that size
+for kept tensors, the payload (codes + scales) for compressed ones and 0 for dropped ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hilore_verl.runtime.records import LiveKeyMap, storage_key
+
+
+@dataclass
+class UnitStats:
+    mode: str
+    saved_bytes: int = 0
+    """What the unit's saved tensors would take if kept."""
+    stored_bytes: int = 0
+    """What is actually held for them until backward."""
+    held_bytes: int = 0
+    """Part of stored_bytes held only so that a recomputed call can run again (not saved by autograd)."""
+    tensors: int = 0
+    nonfinite: int = 0
+    """Tensors kept exact instead of compressed because they held inf / nan."""
+
+
+@dataclass
+class RuntimeStats:
+    units: dict[str, UnitStats]
+    unmanaged_bytes: int
+    """Saved tensors outside every unit or below the size threshold (kept as they are); parameters excluded."""
+    parameter_saves: int
+    """Saves of parameters (and their views / casts): never touched."""
+    unmanaged_held_bytes: int = 0
+    """Unattributed tensors (e.g. the residual stream) held only as inputs of recomputed calls."""
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(u.saved_bytes for u in self.units.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(u.stored_bytes for u in self.units.values())
+
+    def table(self) -> str:
+        rows = [f"{'unit':24} {'mode':14} {'saved MiB':>10} {'stored MiB':>10}"]
+        for name, u in self.units.items():
+            rows.append(f"{name:24} {u.mode:14} {u.saved_bytes / 2**20:10.3f} {u.stored_bytes / 2**20:10.3f}")
+        rows.append(f"{'total':24} {'':14} {self.saved_bytes / 2**20:10.3f} {self.stored_bytes / 2**20:10.3f}")
+        return "\n".join(rows)
+
+
+@dataclass
+class StepStats:
+    names: list[str]
+    saved: list[int] = field(default_factory=list)
+    stored: list[int] = field(default_factory=list)
+    tensors: list[int] = field(default_factory=list)
+    nonfinite: list[int] = field(default_factory=list)
+    unmanaged_bytes: int = 0
+    parameter_saves: int = 0
+    seen: LiveKeyMap = field(default_factory=LiveKeyMap)
+    held: LiveKeyMap = field(default_factory=LiveKeyMap)
+    saved_storages: LiveKeyMap = field(default_factory=LiveKeyMap)  # storage address -> saved by autograd
+    held_items: list = field(default_factory=list)  # (key, unit index or None, stored bytes)
+
+    @classmethod
+    def empty(cls, units) -> "StepStats":
+        n = len(units)
+        return cls([u.name for u in units], [0] * n, [0] * n, [0] * n, [0] * n)
+
+    def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False) -> None:
+        if self.seen.get(key) is not None:
+            return
+        self.seen.put(key, t, True)
+        self.saved_storages.put((key[0],), t, True)
+        i = unit.index
+        self.saved[i] += t.numel() * t.element_size()
+        self.stored[i] += stored
+        self.tensors[i] += 1
+        self.nonfinite[i] += int(nonfinite)
+
+    def add_unmanaged(self, t: torch.Tensor, is_parameter: bool) -> None:
+        if is_parameter:
+            self.parameter_saves += 1
+            return
+        if t.is_nested:
+            return
+        key = storage_key(t)
+        if self.seen.get(key) is None:
+            self.seen.put(key, t, True)
+            self.saved_storages.put((key[0],), t, True)
+            self.unmanaged_bytes += t.numel() * t.element_size()
+
+    def add_held(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False) -> None:
+        if self.held.get(key) is None:
+            self.held.put(key, t, True)
+            self.held_items.append((key, unit.index, stored))
+
+    def add_unmanaged_held(self, t: torch.Tensor) -> None:
+        if t.is_nested or not t.is_floating_point():
+            return
+        key = storage_key(t)
+        if self.held.get(key) is None:
+            self.held.put(key, t, True)
+            self.held_items.append((key, None, t.numel() * t.element_size()))
+
+    def summary(self, plans) -> RuntimeStats:
+        units = {name: UnitStats(str(plans[i]), self.saved[i], self.stored[i], 0, self.tensors[i], self.nonfinite[i])
+                 for i, name in enumerate(self.names)}
+        unmanaged_held = 0
+        for key, index, stored in self.held_items:
+            if self.saved_storages.get((key[0],)) is not None:
+                continue  # the same storage is saved by autograd: already counted there
+            if index is None:
+                unmanaged_held += stored
+            else:
+                unit = units[self.names[index]]
+                unit.held_bytes += stored
+                unit.stored_bytes += stored
+        return RuntimeStats(units, self.unmanaged_bytes, self.parameter_saves, unmanaged_held)
