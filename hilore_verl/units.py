@@ -31,6 +31,7 @@ class RecoveryUnit:
     kind: str
     layer_index: int | None  # None for the head
     modules: list[nn.Module] = field(default_factory=list, repr=False)
+    block: nn.Module | None = field(default=None, repr=False)  # the decoder block it belongs to
     index: int = -1  # position in the runtime's unit list
 
     def __repr__(self) -> str:
@@ -91,7 +92,9 @@ def find_units(model: nn.Module) -> list[RecoveryUnit]:
     layers, final_norm, lm_head = _find_decoder(model)
     units: list[RecoveryUnit] = []
     for i, block in enumerate(layers):
-        units += _split_block(block, f"layers.{i}", i)
+        for unit in _split_block(block, f"layers.{i}", i):
+            unit.block = block
+            units.append(unit)
     head_modules = [m for m in (final_norm, lm_head) if m is not None]
     if head_modules:
         units.append(RecoveryUnit("head", "head", None, head_modules))

@@ -44,9 +44,9 @@ class QuantizedTensor:
     def device(self) -> torch.device:
         return self.codes.device
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "QuantizedTensor":
-        return QuantizedTensor(self.codes.to(device, non_blocking=non_blocking),
-                               self.scales.to(device, non_blocking=non_blocking),
+    def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> "QuantizedTensor":
+        return QuantizedTensor(self.codes.to(device, non_blocking=non_blocking, copy=copy),
+                               self.scales.to(device, non_blocking=non_blocking, copy=copy),
                                self.shape, self.dtype, self.fmt, self.group_size)
 
     def dequantize(self) -> torch.Tensor:

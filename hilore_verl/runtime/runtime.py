@@ -124,7 +124,11 @@ class Runtime:
         self._plans = resolved
 
     def plan_of(self, name: str) -> UnitPlan:
-        return self._plans[self._unit(name).index]
+        """The plan in force for one unit."""
+        unit = self._by_name.get(name)
+        if unit is None:
+            raise ValueError(f"unknown unit {name!r}; valid: {', '.join(u.name for u in self.units)}")
+        return self._plans[unit.index]
 
     def stats(self) -> RuntimeStats:
         """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored."""
@@ -167,9 +171,9 @@ class Runtime:
         self.attached = True
 
     def _take_over_gradient_checkpointing(self) -> None:
-        layers = {m for u in self.units if u.layer_index is not None for m in self.model.modules()
-                  if getattr(m, "gradient_checkpointing", False) and any(x is mod for mod in u.modules
-                                                                         for x in m.modules())}
+        """HF checkpointing would hide a managed layer's saved tensors from the runtime: switch it off there."""
+        layers = list({id(u.block): u.block for u in self.units
+                       if u.block is not None and getattr(u.block, "gradient_checkpointing", False)}.values())
         for module in layers:
             self._gc_state.append((module, True, module.__dict__.get("_gradient_checkpointing_func")))
             module.gradient_checkpointing = False

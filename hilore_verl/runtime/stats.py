@@ -32,7 +32,7 @@ class UnitStats:
 class RuntimeStats:
     units: dict[str, UnitStats]
     unmanaged_bytes: int
-    """Saved tensors outside every unit or below the size threshold (kept as they are); parameters excluded."""
+    """Float saved tensors outside every unit or below the size threshold (kept as they are); no parameters."""
     parameter_saves: int
     """Saves of parameters (and their views / casts): never touched."""
     unmanaged_held_bytes: int = 0
@@ -88,7 +88,7 @@ class StepStats:
         if is_parameter:
             self.parameter_saves += 1
             return
-        if t.is_nested:
+        if t.is_nested or not t.is_floating_point():
             return
         key = storage_key(t)
         if self.seen.get(key) is None:
