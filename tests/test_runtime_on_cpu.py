@@ -196,6 +196,12 @@ def test_offload_gives_the_same_result_as_in_place_compression():
     rt.set_plan({"layers": UnitPlan(Mode.COMPRESS, fmt="int8", offload=True)})
     _, offloaded = policy_gradient_step(model)
     assert all(torch.equal(offloaded[n], g) for n, g in in_place.items())
+    pool = rt._pools[torch.device("cpu")]
+    allocated = pool.allocated
+    assert allocated > 0
+    _, again = policy_gradient_step(model)  # the second step reuses the host buffers of the first
+    assert pool.allocated == allocated
+    assert all(torch.equal(again[n], g) for n, g in in_place.items())
 
 
 def test_non_finite_tensors_are_kept_exact_and_counted():
@@ -240,3 +246,39 @@ def test_bad_input_names_the_bad_value_and_leaves_nothing_half_installed():
     rt.detach()
     with pytest.raises(ValueError, match="has no `layers` list"):
         attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def _logits_and_log_probs(model, rt, batch):
+    P = batch["prompts"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits
+
+    def log_probs(logits, responses):  # vocab-sized: the head's largest saved tensors live here
+        logp = torch.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
+        return logp.gather(-1, responses[..., None]).squeeze(-1)
+
+    return log_probs(logits, batch["responses"]) if rt is None else rt.call("head", log_probs, logits,
+                                                                            batch["responses"])
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "int8"])
+def test_code_after_the_forward_joins_the_head_unit(mode):
+    batch = make_grpo_batch(WORKLOAD, seed=0)
+    ref = _model("qwen2")
+    _logits_and_log_probs(ref, None, batch).sum().backward()
+    model = copy.deepcopy(ref)
+    rt = attach(model)
+    rt.set_plan({"head": mode})
+    _logits_and_log_probs(model, rt, batch).sum().backward()
+    head = rt.stats().units["head"]
+    vocab_bytes = batch["input_ids"].shape[0] * (batch["input_ids"].shape[1] - 24) * 512 * 4  # log_softmax output
+    assert head.saved_bytes >= vocab_bytes
+    if mode == "int8":
+        cos, _ = cosine_and_rel_error({n: p.grad for n, p in model.named_parameters()},
+                                      {n: p.grad for n, p in ref.named_parameters()})
+        assert cos >= 0.999 and head.stored_bytes < head.saved_bytes / 3
+    else:
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        assert head.stored_bytes == (head.saved_bytes if mode == "keep" else 0)
+    with pytest.raises(ValueError, match="unknown unit 'tail'"):
+        rt.call("tail", torch.neg, torch.ones(1))

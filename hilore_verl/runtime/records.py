@@ -2,7 +2,8 @@
 
 A saved tensor is held as one of:
   - the tensor itself (KEEP, and everything the runtime does not manage);
-  - `Compressed`: a quantized payload, dequantized on unpack;
+  - `Compressed`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it waits in
+    host memory);
   - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
     tensor appears in that call (a locator); unpack re-runs the call once and hands out the result.
 
@@ -67,15 +68,19 @@ class LiveKeyMap:
 
 
 class Compressed:
-    __slots__ = ("payload", "device")
+    """A quantized payload on the tensor's device."""
 
-    def __init__(self, payload: QuantizedTensor, device: torch.device):
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: QuantizedTensor):
         self.payload = payload
-        self.device = device  # where the tensor lived (the payload may be on the host)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
 
     def get(self) -> torch.Tensor:
-        payload = self.payload if self.payload.device == self.device else self.payload.to(self.device)
-        return payload.dequantize()
+        return self.payload.dequantize()
 
 
 class CallRecord:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from hilore_verl.kernels import quantize
+from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors, map_tree,
                                          storage_key, tensor_leaves)
@@ -109,6 +110,7 @@ class Runtime:
         self._fwd: _Forward | None = None
         self._hook_ctx: ExitStack | None = None
         self._replay: _Replay | None = None
+        self._pools: dict[torch.device, OffloadPool] = {}
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
         self.attached = False
 
@@ -194,29 +196,42 @@ class Runtime:
 
     # ------------------------------------------------------------------ forward hooks
     def _root_pre(self, module, args):
-        if not torch.is_grad_enabled() or self._replay is not None or self._fwd is not None:
-            return
+        if torch.is_grad_enabled() and self._replay is None and self._fwd is None:
+            self._open_forward()
+
+    def _root_post(self, module, args, output):
+        if self._hook_ctx is not None and self._replay is None:
+            self._close_forward(merge=False)
+
+    def _open_forward(self) -> None:
         self._fwd = _Forward(stats=StepStats.empty(self.units))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
 
-    def _root_post(self, module, args, output):
-        if self._hook_ctx is None or self._replay is not None:
-            return
+    def _close_forward(self, merge: bool) -> None:
         self._hook_ctx.close()
         self._hook_ctx = None
-        self._last = self._fwd.stats.summary(self._plans)  # now, while the held tensors are alive
+        summary = self._fwd.stats.summary(self._plans)  # now, while the held tensors are alive
+        self._last = self._last.merged(summary) if merge else summary
         self._fwd = None
 
     def _unit_pre(self, module, args, kwargs):
         if self._replay is not None:
             return self._replay_pre(module, args, kwargs)
+        if self._fwd is not None:
+            self._enter(module, self._module_unit[module], args, kwargs)
+
+    def _unit_post(self, module, args, kwargs, output):
+        if self._replay is not None:
+            self._replay.frames.pop()
+        elif self._fwd is not None:
+            self._exit(module, output)
+
+    def _enter(self, fn, unit: RecoveryUnit, args, kwargs) -> None:
+        """Open a call frame of `unit` for `fn` (a unit module, or a function passed to `call`)."""
         fwd = self._fwd
-        if fwd is None:
-            return
-        unit = self._module_unit[module]
         parent = fwd.frames[-1] if fwd.frames else None
-        record = CallRecord(module, unit)
+        record = CallRecord(fn, unit)
         child_index = None
         if parent is not None:
             child_index = len(parent.children)
@@ -231,15 +246,10 @@ class Runtime:
             record.autocast = _autocast_state()
         fwd.frames.append(record)
 
-    def _unit_post(self, module, args, kwargs, output):
-        if self._replay is not None:
-            self._replay.frames.pop()
-            return
+    def _exit(self, fn, output) -> None:
         fwd = self._fwd
-        if fwd is None:
-            return
         record = fwd.frames.pop()
-        assert record.module is module, "unbalanced unit frames"
+        assert record.module is fn, "unbalanced unit frames"
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES:
                 self._register(t, record.unit, record, ("out", path))
@@ -247,6 +257,30 @@ class Runtime:
         if (parent is not None and self._plans[parent.unit.index].mode == Mode.RECOMPUTE
                 and self._plans[record.unit.index].mode != Mode.RECOMPUTE):
             record.held_output = map_tensors(output, lambda t: _HeldInput(self._hold(t), t.requires_grad))
+
+    def call(self, unit_name: str, fn, *args, **kwargs):
+        """Run `fn(*args, **kwargs)` as part of a unit: what it saves is kept, compressed or recomputed
+        (by calling `fn` again) as that unit's plan says. For code outside the model's forward that
+        belongs to a unit, e.g. the log-prob computation over the vocabulary, which is part of "head"."""
+        unit = self._by_name.get(unit_name)
+        if unit is None:
+            raise ValueError(f"unknown unit {unit_name!r}; valid: {', '.join(u.name for u in self.units)}")
+        if not torch.is_grad_enabled() or self._replay is not None:
+            return fn(*args, **kwargs)
+        standalone = self._fwd is None
+        if standalone:
+            self._open_forward()
+        try:
+            self._enter(fn, unit, args, kwargs)
+            output = None
+            try:
+                output = fn(*args, **kwargs)
+            finally:
+                self._exit(fn, output)
+        finally:
+            if standalone:
+                self._close_forward(merge=True)
+        return output
 
     def _register(self, t: torch.Tensor, unit, record, locator) -> None:
         ptr = t.untyped_storage().data_ptr()
@@ -308,16 +342,20 @@ class Runtime:
                     count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=True)
                     return t
                 payload = quantize(t.detach(), plan.fmt, plan.group_size)
-                if plan.offload:
-                    payload = payload.to("cpu", copy=True)
-                held = Compressed(payload, t.device)
+                held = self._offload_pool(t.device).offload(payload) if plan.offload else Compressed(payload)
                 fwd.compressed.put(key, t, held)
-            count(unit, key, t, stored=held.payload.nbytes)
+            count(unit, key, t, stored=held.nbytes)
             return held
         handle = record.drop(locator, geometry)
         handle.recompute = self._recompute
         count(unit, key, t, stored=0)
         return handle
+
+    def _offload_pool(self, device: torch.device) -> OffloadPool:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = OffloadPool(device)
+        return pool
 
     def _hold(self, t: torch.Tensor):
         """How a tensor needed for a later recompute is held: by its producer's mode."""
@@ -349,6 +387,8 @@ class Runtime:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
                 stack.enter_context(torch.enable_grad())
+                if not isinstance(record.module, nn.Module):  # a function run through `call`: no hooks
+                    replay.frames.append((record.module, None))
                 output = record.module(*args, **kwargs)
         finally:
             self._replay = outer

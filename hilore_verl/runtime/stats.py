@@ -46,6 +46,17 @@ class RuntimeStats:
     def stored_bytes(self) -> int:
         return sum(u.stored_bytes for u in self.units.values())
 
+    def merged(self, other: "RuntimeStats") -> "RuntimeStats":
+        """Both accountings added up (a forward and the unit calls that follow it in the same step)."""
+        units = {name: UnitStats(other.units[name].mode, u.saved_bytes + other.units[name].saved_bytes,
+                                 u.stored_bytes + other.units[name].stored_bytes,
+                                 u.held_bytes + other.units[name].held_bytes,
+                                 u.tensors + other.units[name].tensors, u.nonfinite + other.units[name].nonfinite)
+                 for name, u in self.units.items()}
+        return RuntimeStats(units, self.unmanaged_bytes + other.unmanaged_bytes,
+                            self.parameter_saves + other.parameter_saves,
+                            self.unmanaged_held_bytes + other.unmanaged_held_bytes)
+
     def table(self) -> str:
         rows = [f"{'unit':24} {'mode':14} {'saved MiB':>10} {'stored MiB':>10}"]
         for name, u in self.units.items():
