@@ -29,7 +29,8 @@ import torch.nn as nn
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
-from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors, map_tree,
+from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
+from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors,
                                          storage_key, tensor_leaves)
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
@@ -37,19 +38,12 @@ from hilore_verl.units import RecoveryUnit, find_units
 logger = logging.getLogger("hilore_verl")
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_CACHE_KWARGS = ("past_key_values", "past_key_value")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     min_bytes: int = 16384
     """Saved tensors smaller than this are always kept as they are (their bookkeeping would cost more)."""
-
-
-@dataclass
-class _HeldInput:
-    value: Any  # tensor, Compressed or Dropped
-    requires_grad: bool
 
 
 @dataclass
@@ -68,18 +62,6 @@ class _Forward:
     registry: dict[int, _Entry] = field(default_factory=dict)
     compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
     stats: StepStats | None = None
-
-
-class _Replay:
-    """State of one recompute: the call being re-run and what it captures."""
-
-    def __init__(self, target: CallRecord):
-        self.target = target
-        self.frames: list[tuple[nn.Module, Any]] = []  # (module, replayed output or None)
-        self.own: dict[int, torch.Tensor] = {}
-        self.own_count = 0
-        self.child_count = 0
-        self.child_inputs: dict[tuple, torch.Tensor] = {}
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -109,7 +91,7 @@ class Runtime:
         self._gc_state: list[tuple[nn.Module, bool, Any]] = []
         self._fwd: _Forward | None = None
         self._hook_ctx: ExitStack | None = None
-        self._replay: _Replay | None = None
+        self._replay: Replay | None = None
         self._pools: dict[torch.device, OffloadPool] = {}
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
         self.attached = False
@@ -186,10 +168,10 @@ class Runtime:
     def _replaying_forward(self, module: nn.Module, forward):
         def forward_or_replay(*args, **kwargs):
             replay = self._replay
-            if replay is not None and replay.frames and replay.frames[-1][0] is module:
-                held = replay.frames[-1][1]
-                if held is not None:
-                    return _materialize(held)
+            if replay is not None:
+                output = replay.replayed_output(module)
+                if output is not None:
+                    return output
             return forward(*args, **kwargs)
 
         return forward_or_replay
@@ -217,13 +199,13 @@ class Runtime:
 
     def _unit_pre(self, module, args, kwargs):
         if self._replay is not None:
-            return self._replay_pre(module, args, kwargs)
+            self._replay.pre(module, args, kwargs)
         if self._fwd is not None:
             self._enter(module, self._module_unit[module], args, kwargs)
 
     def _unit_post(self, module, args, kwargs, output):
         if self._replay is not None:
-            self._replay.frames.pop()
+            self._replay.post()
         elif self._fwd is not None:
             self._exit(module, output)
 
@@ -241,9 +223,9 @@ class Runtime:
                 self._register(t, parent.unit if parent else None, parent,
                                ("child_in", child_index, path) if parent else None)
         if self._plans[unit.index].mode == Mode.RECOMPUTE:
-            record.inputs = map_tensors((args, kwargs), lambda t: _HeldInput(self._hold(t), t.requires_grad))
-            record.rng = _rng_state((args, kwargs))
-            record.autocast = _autocast_state()
+            record.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self._hold(t), t.requires_grad))
+            record.rng = rng_state((args, kwargs))
+            record.autocast = autocast_state()
         fwd.frames.append(record)
 
     def _exit(self, fn, output) -> None:
@@ -256,7 +238,7 @@ class Runtime:
         parent = fwd.frames[-1] if fwd.frames else None
         if (parent is not None and self._plans[parent.unit.index].mode == Mode.RECOMPUTE
                 and self._plans[record.unit.index].mode != Mode.RECOMPUTE):
-            record.held_output = map_tensors(output, lambda t: _HeldInput(self._hold(t), t.requires_grad))
+            record.held_output = map_tensors(output, lambda t: HeldInput(self._hold(t), t.requires_grad))
 
     def call(self, unit_name: str, fn, *args, **kwargs):
         """Run `fn(*args, **kwargs)` as part of a unit: what it saves is kept, compressed or recomputed
@@ -303,7 +285,7 @@ class Runtime:
 
     def _pack(self, t: torch.Tensor):
         if self._replay is not None:
-            return self._replay_pack(t)
+            return self._replay.pack(t)
         fwd = self._fwd
         frame = fwd.frames[-1] if fwd.frames else None
         own_index = None
@@ -368,83 +350,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ recompute
     def _recompute(self, record: CallRecord) -> dict:
-        args, kwargs = _materialize(record.inputs)
-        for key in _CACHE_KWARGS:
-            if kwargs.get(key) is not None:
-                kwargs[key] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        replay = _Replay(record)
+        replay = Replay(record)
         outer, self._replay = self._replay, replay
         try:
-            with ExitStack() as stack:
-                devices = [d for d in record.rng if d != "cpu"]
-                stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"))
-                torch.set_rng_state(record.rng["cpu"])
-                for d in devices:
-                    torch.cuda.set_rng_state(record.rng[d], d)
-                for device_type, enabled, dtype in record.autocast:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-                stack.enter_context(torch.enable_grad())
-                if not isinstance(record.module, nn.Module):  # a function run through `call`: no hooks
-                    replay.frames.append((record.module, None))
-                output = record.module(*args, **kwargs)
+            return rerun(record, replay, self._pack, _unpack)
         finally:
             self._replay = outer
-        regen: dict[tuple, torch.Tensor] = {("own", n): t for n, t in replay.own.items()}
-        regen.update({("out", path): t.detach() for path, t in tensor_leaves(output)})
-        regen.update(replay.child_inputs)
-        return regen
-
-    def _replay_pre(self, module, args, kwargs):
-        replay = self._replay
-        held = None
-        if replay.frames and replay.frames[-1][0] is replay.target.module and len(replay.frames) == 1:
-            j = replay.child_count
-            replay.child_count += 1
-            for path, t in tensor_leaves((args, kwargs)):
-                replay.child_inputs[("child_in", j, path)] = t.detach()
-            held = replay.target.children[j].held_output
-        replay.frames.append((module, held))
-
-    def _replay_pack(self, t: torch.Tensor):
-        replay = self._replay
-        if len(replay.frames) == 1:  # the target's own code
-            replay.own[replay.own_count] = t.detach() if t.requires_grad else t
-            replay.own_count += 1
-        return t
 
 
 def _unpack(x):
     return x if isinstance(x, torch.Tensor) else x.get()
-
-
-def _materialize(held_tree):
-    """Tensors back from what `_HeldInput`s hold, detached, with their original requires_grad."""
-    return map_tree(held_tree, _materialize_one, lambda x: isinstance(x, _HeldInput))
-
-
-def _materialize_one(held: _HeldInput) -> torch.Tensor:
-    value = held.value
-    t = (value if isinstance(value, torch.Tensor) else value.get()).detach()
-    return t.requires_grad_(held.requires_grad) if held.requires_grad else t
-
-
-def _rng_state(inputs) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    for _, t in tensor_leaves(inputs):
-        if t.is_cuda and t.device.index not in state:
-            state[t.device.index] = torch.cuda.get_rng_state(t.device)
-    return state
-
-
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    state = []
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            state.append((device_type, True, torch.get_autocast_dtype(device_type)))
-    return state
 
 
 _ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
