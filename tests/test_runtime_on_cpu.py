@@ -282,3 +282,15 @@ def test_code_after_the_forward_joins_the_head_unit(mode):
         assert head.stored_bytes == (head.saved_bytes if mode == "keep" else 0)
     with pytest.raises(ValueError, match="unknown unit 'tail'"):
         rt.call("tail", torch.neg, torch.ones(1))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_other_families_attach_and_recompute_exactly(family):
+    ref = _model(family)
+    loss0, grads0 = policy_gradient_step(ref)
+    model = copy.deepcopy(ref)
+    rt = attach(model)
+    rt.set_plan({"layers.0": "recompute", "layers.1.attn.core": "recompute", "head": "recompute"})
+    loss, grads = policy_gradient_step(model)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
+    assert rt.stats().units["layers.0.attn.core"].stored_bytes == 0
