@@ -2,3 +2,15 @@ import os
 
 # One OpenMP thread per process: the 2-rank tests run two processes on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It must be switched on
+# before any @triton.jit decorator runs, so here, before test modules import the kernels.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -40,19 +40,19 @@ class OffloadPool:
     def release(self, buf: torch.Tensor, event) -> None:
         self.free.setdefault((buf.numel(), buf.dtype), []).append((buf, event))
 
-    def offload(self, payload: QuantizedTensor) -> "Offloaded":
+    def offload(self, payload: QuantizedTensor, shape: torch.Size) -> "Offloaded":
         compute = self.dm.current_stream()
         host_codes, host_scales = self.buffer(payload.codes), self.buffer(payload.scales)
         with self.dm.stream(self.stream):
             self.stream.wait_stream(compute)  # the payload is written on the compute stream
             host_codes.copy_(payload.codes, non_blocking=True)
-            host_scales.copy_(payload.scales, non_blocking=True)
+            host_scales.copy_(payload.scales, non_blocking=True)  # flags stay behind: checked before offload
             done = self.dm.Event()
             done.record(self.stream)
         if self.pinned:  # the device payload may be freed now: the allocator waits for the side stream
             payload.codes.record_stream(self.stream)
             payload.scales.record_stream(self.stream)
-        handle = Offloaded(self, host_codes, host_scales, payload, done)
+        handle = Offloaded(self, host_codes, host_scales, payload, shape, done)
         handle.previous = self.last
         self.last = weakref.ref(handle)
         return handle
@@ -61,13 +61,15 @@ class OffloadPool:
 class Offloaded:
     """A payload in host memory; `get()` brings it back (or takes the prefetched copy) and decodes it."""
 
-    __slots__ = ("pool", "host_codes", "host_scales", "shape", "dtype", "fmt", "group_size", "to_host",
-                 "fetched", "fetch_done", "previous", "__weakref__")
+    __slots__ = ("pool", "host_codes", "host_scales", "flags", "payload_shape", "shape", "dtype", "fmt", "group_size",
+                 "to_host", "fetched", "fetch_done", "previous", "__weakref__")
 
-    def __init__(self, pool: OffloadPool, host_codes, host_scales, payload: QuantizedTensor, to_host):
+    def __init__(self, pool: OffloadPool, host_codes, host_scales, payload: QuantizedTensor, shape, to_host):
         self.pool = pool
         self.host_codes, self.host_scales = host_codes, host_scales
-        self.shape, self.dtype, self.fmt, self.group_size = payload.shape, payload.dtype, payload.fmt, payload.group_size
+        self.flags = payload.flags  # all zero (checked before offload); tiny, stays on the device
+        self.payload_shape, self.shape = payload.shape, shape
+        self.dtype, self.fmt, self.group_size = payload.dtype, payload.fmt, payload.group_size
         self.to_host = to_host
         self.fetched: QuantizedTensor | None = None
         self.fetch_done = None
@@ -83,7 +85,8 @@ class Offloaded:
             scales = self.host_scales.to(pool.device, non_blocking=True, copy=True)
             self.fetch_done = pool.dm.Event()
             self.fetch_done.record(pool.stream)
-        self.fetched = QuantizedTensor(codes, scales, self.shape, self.dtype, self.fmt, self.group_size)
+        self.fetched = QuantizedTensor(codes, scales, self.flags, self.payload_shape, self.dtype, self.fmt,
+                                       self.group_size)
 
     def get(self) -> torch.Tensor:
         self.prefetch()
@@ -94,12 +97,11 @@ class Offloaded:
         previous = self.previous() if self.previous is not None else None
         if previous is not None:
             previous.prefetch()  # backward runs in reverse: the payload offloaded before this one is next
-        return self.fetched.dequantize()
+        return self.fetched.dequantize().view(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.host_codes.numel() * self.host_codes.element_size() + \
-            self.host_scales.numel() * self.host_scales.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.host_codes, self.host_scales, self.flags))
 
     def __del__(self):
         try:

@@ -30,6 +30,8 @@ class UnitPlan:
     """Elements per quantization scale (COMPRESS)."""
     offload: bool = False
     """COMPRESS only: move the payload to host memory until backward."""
+    stochastic: bool = False
+    """COMPRESS only: stochastic rounding (unbiased; seeded from RuntimeConfig.seed) instead of nearest."""
 
     def __post_init__(self):
         if self.mode == Mode.COMPRESS:
@@ -37,8 +39,8 @@ class UnitPlan:
                 raise ValueError(f"unknown compression format {self.fmt!r}; valid formats: {', '.join(FORMATS)}")
             if self.group_size not in GROUP_SIZES:
                 raise ValueError(f"group_size {self.group_size} is not supported; valid: {GROUP_SIZES}")
-        elif self.fmt is not None or self.offload:
-            raise ValueError(f"fmt and offload apply to compressed units only, not to {self.mode.value!r}")
+        elif self.fmt is not None or self.offload or self.stochastic:
+            raise ValueError(f"fmt, offload and stochastic apply to compressed units only, not to {self.mode.value!r}")
 
     @staticmethod
     def parse(value: Union[str, "UnitPlan", Mode]) -> "UnitPlan":
@@ -55,7 +57,7 @@ class UnitPlan:
     def __str__(self) -> str:
         if self.mode != Mode.COMPRESS:
             return self.mode.value
-        return f"{self.fmt}/g{self.group_size}" + ("+offload" if self.offload else "")
+        return f"{self.fmt}/g{self.group_size}" + ("+sr" if self.stochastic else "") + ("+offload" if self.offload else "")
 
 
 PlanValue = Union[str, UnitPlan, Mode]

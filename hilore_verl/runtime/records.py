@@ -68,19 +68,21 @@ class LiveKeyMap:
 
 
 class Compressed:
-    """A quantized payload on the tensor's device."""
+    """A quantized payload on the tensor's device; `shape` is the saved tensor's (the payload may
+    group a contiguous tensor over its flat elements)."""
 
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "shape")
 
-    def __init__(self, payload: QuantizedTensor):
+    def __init__(self, payload: QuantizedTensor, shape: torch.Size):
         self.payload = payload
+        self.shape = shape
 
     @property
     def nbytes(self) -> int:
         return self.payload.nbytes
 
     def get(self) -> torch.Tensor:
-        return self.payload.dequantize()
+        return self.payload.dequantize().view(self.shape)
 
 
 class CallRecord:

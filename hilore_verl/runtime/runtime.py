@@ -44,6 +44,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class RuntimeConfig:
     min_bytes: int = 16384
     """Saved tensors smaller than this are always kept as they are (their bookkeeping would cost more)."""
+    seed: int = 0
+    """Base seed of stochastic rounding; each compressed tensor's seed also depends on the forward count
+    and its position, so a run is reproducible from this seed."""
 
 
 @dataclass
@@ -93,6 +96,8 @@ class Runtime:
         self._hook_ctx: ExitStack | None = None
         self._replay: Replay | None = None
         self._pools: dict[torch.device, OffloadPool] = {}
+        self._forwards = 0  # grad-enabled forwards so far: part of each stochastic-rounding seed
+        self._compressions = 0
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
         self.attached = False
 
@@ -186,6 +191,8 @@ class Runtime:
             self._close_forward(merge=False)
 
     def _open_forward(self) -> None:
+        self._forwards += 1
+        self._compressions = 0
         self._fwd = _Forward(stats=StepStats.empty(self.units))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
@@ -320,11 +327,13 @@ class Runtime:
         if plan.mode == Mode.COMPRESS:
             held = fwd.compressed.get(key)
             if held is None:
-                if not bool(torch.isfinite(t).all()):
-                    count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=True)
+                payload = self._quantize(t, plan)
+                if payload is None or payload.has_nonfinite:  # kept exact, and counted
+                    count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=payload is not None,
+                          incompressible=payload is None)
                     return t
-                payload = quantize(t.detach(), plan.fmt, plan.group_size)
-                held = self._offload_pool(t.device).offload(payload) if plan.offload else Compressed(payload)
+                held = (self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
+                        else Compressed(payload, t.shape))
                 fwd.compressed.put(key, t, held)
             count(unit, key, t, stored=held.nbytes)
             return held
@@ -332,6 +341,20 @@ class Runtime:
         handle.recompute = self._recompute
         count(unit, key, t, stored=0)
         return handle
+
+    def _quantize(self, t: torch.Tensor, plan: UnitPlan):
+        """Groups run along the last dim; a contiguous tensor whose last dim does not fit the group is
+        grouped over its flat elements. None when neither fits (the tensor is then kept exact)."""
+        g = plan.group_size
+        if t.shape[-1] % g == 0:
+            source = t
+        elif t.is_contiguous() and t.numel() % g == 0:
+            source = t.view(-1, g)
+        else:
+            return None
+        self._compressions += 1
+        seed = hash((self.config.seed, self._forwards, self._compressions)) & 0x7FFFFFFF
+        return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
 
     def _offload_pool(self, device: torch.device) -> OffloadPool:
         pool = self._pools.get(device)

@@ -26,6 +26,8 @@ class UnitStats:
     tensors: int = 0
     nonfinite: int = 0
     """Tensors kept exact instead of compressed because they held inf / nan."""
+    incompressible: int = 0
+    """Tensors kept exact because neither their last dim nor their size is a multiple of the group size."""
 
 
 @dataclass
@@ -51,7 +53,8 @@ class RuntimeStats:
         units = {name: UnitStats(other.units[name].mode, u.saved_bytes + other.units[name].saved_bytes,
                                  u.stored_bytes + other.units[name].stored_bytes,
                                  u.held_bytes + other.units[name].held_bytes,
-                                 u.tensors + other.units[name].tensors, u.nonfinite + other.units[name].nonfinite)
+                                 u.tensors + other.units[name].tensors, u.nonfinite + other.units[name].nonfinite,
+                                 u.incompressible + other.units[name].incompressible)
                  for name, u in self.units.items()}
         return RuntimeStats(units, self.unmanaged_bytes + other.unmanaged_bytes,
                             self.parameter_saves + other.parameter_saves,
@@ -72,6 +75,7 @@ class StepStats:
     stored: list[int] = field(default_factory=list)
     tensors: list[int] = field(default_factory=list)
     nonfinite: list[int] = field(default_factory=list)
+    incompressible: list[int] = field(default_factory=list)
     unmanaged_bytes: int = 0
     parameter_saves: int = 0
     seen: LiveKeyMap = field(default_factory=LiveKeyMap)
@@ -82,9 +86,10 @@ class StepStats:
     @classmethod
     def empty(cls, units) -> "StepStats":
         n = len(units)
-        return cls([u.name for u in units], [0] * n, [0] * n, [0] * n, [0] * n)
+        return cls([u.name for u in units], [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
 
-    def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False) -> None:
+    def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
+            incompressible: bool = False) -> None:
         if self.seen.get(key) is not None:
             return
         self.seen.put(key, t, True)
@@ -94,6 +99,7 @@ class StepStats:
         self.stored[i] += stored
         self.tensors[i] += 1
         self.nonfinite[i] += int(nonfinite)
+        self.incompressible[i] += int(incompressible)
 
     def add_unmanaged(self, t: torch.Tensor, is_parameter: bool) -> None:
         if is_parameter:
@@ -107,7 +113,8 @@ class StepStats:
             self.saved_storages.put((key[0],), t, True)
             self.unmanaged_bytes += t.numel() * t.element_size()
 
-    def add_held(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False) -> None:
+    def add_held(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
+                 incompressible: bool = False) -> None:
         if self.held.get(key) is None:
             self.held.put(key, t, True)
             self.held_items.append((key, unit.index, stored))
@@ -121,7 +128,8 @@ class StepStats:
             self.held_items.append((key, None, t.numel() * t.element_size()))
 
     def summary(self, plans) -> RuntimeStats:
-        units = {name: UnitStats(str(plans[i]), self.saved[i], self.stored[i], 0, self.tensors[i], self.nonfinite[i])
+        units = {name: UnitStats(str(plans[i]), self.saved[i], self.stored[i], 0, self.tensors[i], self.nonfinite[i],
+                                 self.incompressible[i])
                  for i, name in enumerate(self.names)}
         unmanaged_held = 0
         for key, index, stored in self.held_items:
