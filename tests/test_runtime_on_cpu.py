@@ -294,3 +294,20 @@ def test_other_families_attach_and_recompute_exactly(family):
     loss, grads = policy_gradient_step(model)
     assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
     assert rt.stats().units["layers.0.attn.core"].stored_bytes == 0
+
+
+def test_stochastic_rounding_in_a_plan_is_reproducible_from_the_seed():
+    ref = _model("qwen2")
+    plan = {"layers": UnitPlan(Mode.COMPRESS, fmt="int4", stochastic=True)}
+    runs = []
+    for seed in (3, 3, 4):
+        model = copy.deepcopy(ref)
+        rt = attach(model, hilore_verl.RuntimeConfig(seed=seed))
+        rt.set_plan(plan)
+        runs.append(policy_gradient_step(model)[1])
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    assert not all(torch.equal(runs[0][n], runs[2][n]) for n in runs[0])
+    _, grads0 = policy_gradient_step(ref)
+    cos, _ = cosine_and_rel_error(runs[0], grads0)
+    assert cos >= 0.99
+    assert rt.stats().units["layers.0.mlp.act"].mode == "int4/g64+sr"
