@@ -17,6 +17,7 @@ import hilore_verl.integration  # noqa: F401  (version check, before any verl im
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+from verl.workers.config.actor import PolicyLossConfig
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
@@ -76,6 +77,8 @@ def actor_config(**overrides: Any) -> FSDPActorConfig:
     fields: dict[str, Any] = dict(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=1, use_dynamic_bsz=False,
                                   ppo_micro_batch_size_per_gpu=1)
     fields.update(overrides)
+    if isinstance(fields.get("policy_loss"), dict):  # as a recipe YAML gives it
+        fields["policy_loss"] = PolicyLossConfig(**fields["policy_loss"])
     return FSDPActorConfig(**fields)
 
 

@@ -1,0 +1,120 @@
+"""Policy-update exposure: which tokens (and so which activations) the parameter update can feel.
+
+GRPO's gradient is sum_t c_t * grad log p(token t), with c_t = dL/dlog_prob_t known before
+backward. An approximation of a unit's activations reaches the update only through tokens with
+c_t != 0, weighted by |c_t|: that is its exposure. Tokens of zero-advantage groups, fully clipped
+tokens and padding have c_t = 0 (without KL or entropy terms) and no exposure at all.
+
+`loss_coefficients` runs verl's own loss (hilore_verl.integration.loss); this module never
+imports verl itself.
+
+Entropy bonus. It acts on the logits, not through log_prob, so it is not in c. Its gradient on
+token t's logits is -entropy_coeff * w_t * dH_t/dz with |dH/dz|_1 = sum_i p_i |log p_i + H| <= 2 H
+<= 2 ln V (V: vocabulary size), w_t the aggregation weight. `summarize` adds that bound per token
+when given `entropy_coeff` and `vocab_size`: exposure stays an upper bound, never an undercount.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def _padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
+
+
+def _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob):
+    shape = response_mask.shape
+    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+                    ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob)):
+        if t is None:
+            continue
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, response_mask has {tuple(shape)}: they must agree")
+        valid = t[response_mask.bool()]
+        if not torch.isfinite(valid).all():
+            raise ValueError(f"{name} holds nan or inf on response tokens: nothing is computed from it")
+    if getattr(actor_config, "use_kl_loss", False) and ref_log_prob is None:
+        raise ValueError("ref_log_prob is required: the actor config has use_kl_loss=True")
+    if rollout_is_weights is not None and (rollout_is_weights[response_mask.bool()] < 0).any():
+        raise ValueError("rollout_is_weights must be >= 0")
+
+
+def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights=None,
+                      ref_log_prob=None, global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """c[b, t] = dL/dlog_prob[b, t] for verl's actor loss as configured (policy loss mode,
+    loss_agg_mode, KL loss, IS weights); entropy excluded (see the module docstring).
+
+    Tensors are padded (B, T) response-aligned, or jagged nested (one row per sequence) as in
+    verl's no-padding batches. `global_batch_info`: dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor, as the engine sets them (omit for a single-rank, single-micro-batch view).
+    """
+    log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, ref_log_prob = (
+        _padded(n, t) for n, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob),
+                                   ("advantages", advantages), ("response_mask", response_mask),
+                                   ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob)))
+    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+                    ("response_mask", response_mask)):
+        if t is None:
+            raise ValueError(f"{name} is required")
+    _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob)
+    from hilore_verl.integration.loss import loss_coefficients as verl_coefficients
+
+    c = verl_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights,
+                          ref_log_prob, global_batch_info)
+    return c * response_mask.to(c.dtype)
+
+
+def predicted_coefficients(old_log_prob, advantages, response_mask, actor_config, **kwargs) -> torch.Tensor:
+    """Coefficients before the forward, at the on-policy point (log_prob = old_log_prob)."""
+    return loss_coefficients(old_log_prob, old_log_prob, advantages, response_mask, actor_config, **kwargs)
+
+
+@dataclass
+class Exposure:
+    token: torch.Tensor  # (B, T) |c_t| (+ entropy bound), zero outside the response mask
+    suffix: torch.Tensor  # (B, T) sum over s >= t of token[b, s]: what token t's activations can reach
+    sequence: torch.Tensor  # (B,) a sequence's total; also what its prompt tokens reach
+    l2: torch.Tensor  # (B,) sqrt(sum_t token^2): the scale of a random per-token error's effect
+    micro_batches: list[float]  # total per micro-batch (sequences in order)
+    zero: torch.Tensor  # (B,) bool: sequences with no exposure at all
+
+    @property
+    def total(self) -> float:
+        return float(self.sequence.sum())
+
+    def l2_of(self, rows: slice | torch.Tensor | None = None) -> float:
+        """sqrt(sum of token^2) over the given sequences (all by default)."""
+        sel = self.token if rows is None else self.token[rows]
+        return float(sel.pow(2).sum().sqrt())
+
+
+def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: Sequence[int] | None = None,
+              entropy_coeff: float = 0.0, entropy_weights: torch.Tensor | None = None,
+              vocab_size: int | None = None) -> Exposure:
+    """Exposure per token, per token suffix, per sequence and per micro-batch; zero-exposure flags.
+
+    With `entropy_coeff` != 0, pass the aggregation weights (`integration.loss.aggregation_weights`)
+    and `vocab_size`: each token gets |entropy_coeff| * w_t * 2 ln V on top of |c_t|.
+    """
+    mask = response_mask.to(c.dtype)
+    token = c.abs() * mask
+    if entropy_coeff:
+        if entropy_weights is None or vocab_size is None:
+            raise ValueError("entropy_weights and vocab_size are required when entropy_coeff != 0")
+        token = token + abs(entropy_coeff) * entropy_weights.abs() * 2 * math.log(vocab_size) * mask
+    suffix = token.flip(-1).cumsum(-1).flip(-1) * mask
+    sequence = token.sum(-1)
+    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else [c.shape[0]]
+    if sum(sizes) != c.shape[0]:
+        raise ValueError(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, not to the {c.shape[0]} sequences")
+    micro = [float(part.sum()) for part in torch.split(sequence, sizes)]
+    return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), micro, sequence == 0)

@@ -1,0 +1,82 @@
+"""GRPO / PPO loss coefficients c = dL/dlog_prob through verl's own actor loss (`ppo_loss`).
+
+verl's `ppo_loss` is called as the engine calls it, on a synthetic no-padding layout built so that
+its response slice is exactly `log_prob`; autograd with respect to that tensor alone gives c. No
+model runs. Every registered policy-loss mode, aggregation mode, KL type and IS-weight setting is
+therefore covered as verl defines it, including modes added later. The entropy bonus is not part
+of c: it depends on the logits (see `hilore_verl.exposure`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+import hilore_verl.integration  # noqa: F401  (version check first)
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.losses import ppo_loss
+
+
+def policy_loss_modes() -> list[str]:
+    """The policy-loss modes registered in verl (`actor.policy_loss.loss_mode`)."""
+    return sorted(POLICY_LOSS_REGISTRY)
+
+
+def _private_config(actor_config, loss_scale_factor):
+    """A copy for ppo_loss to write its global_batch_info into, with entropy switched off."""
+    changes = {"global_batch_info": {}, "entropy_coeff": 0.0}
+    if loss_scale_factor is not None:
+        changes["loss_scale_factor"] = loss_scale_factor
+    if dataclasses.is_dataclass(actor_config):
+        return dataclasses.replace(actor_config, **changes)
+    config = copy.deepcopy(actor_config)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def loss_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                      response_mask: torch.Tensor, actor_config: Any, rollout_is_weights: torch.Tensor | None = None,
+                      ref_log_prob: torch.Tensor | None = None,
+                      global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """c[b, t] = dL/dlog_prob[b, t] of verl's actor loss (without the entropy term), padded (B, T) inputs."""
+    B, T = log_prob.shape
+    info = dict(global_batch_info or {})
+    lp = log_prob.detach().float().clone().requires_grad_(True)
+    # layout: every sequence = 1 prompt token + T response tokens; ppo_loss reads the log-prob of
+    # response token t at flat position b * (T + 1) + t (the model output is shifted by one token)
+    values = torch.cat([lp, lp.new_zeros(B, 1)], dim=1).reshape(-1)
+    fields = {
+        "prompts": torch.zeros(B, 1, dtype=torch.long),
+        "responses": torch.zeros(B, T, dtype=torch.long),
+        "attention_mask": torch.ones(B, T + 1, dtype=torch.long),
+        "response_mask": response_mask.to(torch.long),
+        "old_log_probs": old_log_prob.detach().float(),
+        "advantages": advantages.detach().float(),
+    }
+    if rollout_is_weights is not None:
+        fields["rollout_is_weights"] = rollout_is_weights.detach().float()
+    if ref_log_prob is not None:
+        fields["ref_log_prob"] = ref_log_prob.detach().float()
+    data = tu.get_tensordict({k: v.to(lp.device) for k, v in fields.items()})
+    tu.assign_non_tensor(data, dp_size=int(info.get("dp_size", 1)), batch_num_tokens=info.get("batch_num_tokens"),
+                         global_batch_size=info.get("global_batch_size"))
+    config = _private_config(actor_config, info.get("loss_scale_factor"))
+    loss, _ = ppo_loss(config, {"log_probs": values}, data)
+    (grad,) = torch.autograd.grad(loss, lp, allow_unused=True)
+    return torch.zeros_like(lp) if grad is None else grad.detach()
+
+
+def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
+                        global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """w[b, t] = d agg_loss / d loss_mat[b, t]: how much one token's per-token loss counts (e.g. for entropy)."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    mat = torch.zeros(response_mask.shape, requires_grad=True)
+    loss = agg_loss(mat, response_mask.float(), loss_agg_mode, **dict(global_batch_info or {}))
+    (w,) = torch.autograd.grad(loss, mat)
+    return w
