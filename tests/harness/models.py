@@ -32,3 +32,19 @@ def flat(grads: dict) -> torch.Tensor:
 def cosine_and_rel_error(grads, ref) -> tuple[float, float]:
     a, b = flat(grads), flat(ref)
     return (torch.dot(a, b) / (a.norm() * b.norm())).item(), ((a - b).norm() / b.norm()).item()
+
+
+def response_log_probs(model, batch):
+    P = batch["prompts"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits
+    logp = torch.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
+    return logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * batch["response_mask"]
+
+
+def surrogate_gradient(model, runtime, batch, c, plan) -> torch.Tensor:
+    """The policy gradient sum_t c_t grad log p_t under `plan`, flattened (c: loss coefficients)."""
+    runtime.set_plan(plan)
+    model.zero_grad(set_to_none=True)
+    (response_log_probs(model, batch) * c).sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])

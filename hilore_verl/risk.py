@@ -1,0 +1,191 @@
+"""Risk: how much a plan's lossy units move the policy gradient, calibrated against measured error.
+
+    risk(unit, mode, micro-batch) = sensitivity[unit] * codec_error(mode) * exposure_l2(micro-batch)
+
+`exposure_l2` = sqrt(sum_t c_t^2) over the micro-batch's tokens (hilore_verl.exposure): a unit's
+per-element codec error e reaches the gradient sum_t c_t grad log p_t through every token, as
+independent errors, so its effect grows with the L2 norm of c. Units' errors add in quadrature:
+
+    predicted |g_approx - g_exact| = sqrt( sum_u risk(u)^2 )
+
+`codec_error(fmt, g)` is the codec's measured relative RMS error (torch reference on unit Gaussian
+data). Sensitivities are measured (`calibrate`: compress one unit at a time and measure the
+gradient deviation from exact) and kept honest online (`GradientAudit`: every K steps, exact vs
+approximate gradient on a sampled micro-batch, which re-scales the sensitivities and tightens or
+loosens the risk budget). The risk budget is a relative gradient error: predicted deviation over
+|g_exact|, with |g_exact| ~ grad_scale * exposure_l2 (grad_scale measured too).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, Union
+
+import torch
+
+from hilore_verl.kernels import reference
+from hilore_verl.runtime.plan import Mode, UnitPlan
+
+PlanLike = Mapping[str, Union[str, UnitPlan]]
+
+
+@functools.cache
+def codec_error(fmt: str, group_size: int = 64) -> float:
+    """Relative RMS error |x' - x| / |x| of the codec on N(0, 1) data (measured once, deterministic)."""
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    y = reference.dequantize(reference.quantize(x, fmt, group_size))
+    return float((y - x).norm() / x.norm())
+
+
+def _lossy(plan: Union[str, UnitPlan]) -> tuple[str, int] | None:
+    p = UnitPlan.parse(plan)
+    return (p.fmt, p.group_size) if p.mode == Mode.COMPRESS else None
+
+
+@dataclass
+class RiskModel:
+    sensitivity: dict[str, float] = field(default_factory=dict)
+    """Per unit: gradient deviation per unit of (codec error x exposure_l2)."""
+    grad_scale: float | None = None
+    """|g_exact| / exposure_l2, measured: turns predicted deviations into relative errors."""
+    _log_sum: dict[str, float] = field(default_factory=dict, repr=False)
+    _count: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def sensitivity_of(self, unit: str) -> float:
+        """Calibrated value, or the largest calibrated one (conservative) for a unit never measured."""
+        if unit in self.sensitivity:
+            return self.sensitivity[unit]
+        if not self.sensitivity:
+            raise ValueError("the risk model is not calibrated: run calibrate() first")
+        return max(self.sensitivity.values())
+
+    def unit_risk(self, unit: str, plan: Union[str, UnitPlan], exposure_l2: float) -> float:
+        lossy = _lossy(plan)
+        return 0.0 if lossy is None else self.sensitivity_of(unit) * codec_error(*lossy) * exposure_l2
+
+    def predict(self, plans: PlanLike, exposure_l2: float) -> float:
+        """Predicted |g_approx - g_exact| for the plan on a micro-batch with this exposure."""
+        return math.sqrt(sum(self.unit_risk(u, p, exposure_l2) ** 2 for u, p in plans.items()))
+
+    def predict_relative(self, plans: PlanLike) -> float:
+        """Predicted |g_approx - g_exact| / |g_exact| (independent of the micro-batch's exposure)."""
+        if self.grad_scale is None:
+            raise ValueError("the risk model is not calibrated: run calibrate() first")
+        return self.predict(plans, 1.0) / self.grad_scale
+
+    def add_measurement(self, unit: str, fmt: str, group_size: int, exposure_l2: float, measured: float) -> None:
+        """One probe: the deviation measured with only `unit` compressed."""
+        if exposure_l2 <= 0 or measured <= 0:
+            return  # a zero-exposure micro-batch says nothing about sensitivity
+        s = measured / (codec_error(fmt, group_size) * exposure_l2)
+        self._log_sum[unit] = self._log_sum.get(unit, 0.0) + math.log(s)
+        self._count[unit] = self._count.get(unit, 0) + 1
+        self.sensitivity[unit] = math.exp(self._log_sum[unit] / self._count[unit])  # geometric mean
+
+    def rescale(self, units: Sequence[str], factor: float) -> None:
+        """Multiply the sensitivities of `units` (what an audit does when reality disagrees)."""
+        for unit in units:
+            self.sensitivity[unit] = self.sensitivity_of(unit) * factor
+            if unit in self._log_sum:
+                self._log_sum[unit] += math.log(factor) * self._count[unit]
+
+    def state_dict(self) -> dict:
+        return {"sensitivity": dict(self.sensitivity), "grad_scale": self.grad_scale,
+                "log_sum": dict(self._log_sum), "count": dict(self._count)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sensitivity = dict(state["sensitivity"])
+        self.grad_scale = state["grad_scale"]
+        self._log_sum, self._count = dict(state["log_sum"]), dict(state["count"])
+
+
+GradFn = Callable[[PlanLike], torch.Tensor]
+
+
+def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = ("int8", "fp8", "int4"),
+              group_size: int = 64, model: RiskModel | None = None) -> RiskModel:
+    """Probe: compress one unit at a time (each format) and measure the gradient deviation from exact.
+
+    `grad_fn(plan)` runs forward + backward of one micro-batch under `plan` and returns the flat
+    gradient; `exposure_l2` is that micro-batch's. Call again on more micro-batches (passing
+    `model`) to average; sensitivities are geometric means over every probe.
+    """
+    model = model or RiskModel()
+    exact = grad_fn({})
+    scale = float(exact.norm()) / exposure_l2 if exposure_l2 > 0 else None
+    if scale:
+        model.grad_scale = scale if model.grad_scale is None else math.sqrt(model.grad_scale * scale)
+    for unit in units:
+        for fmt in fmts:
+            approx = grad_fn({unit: UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=group_size)})
+            model.add_measurement(unit, fmt, group_size, exposure_l2, float((approx - exact).norm()))
+    return model
+
+
+@dataclass
+class AuditResult:
+    step: int
+    cosine: float
+    rel_error: float
+    measured: float
+    predicted: float
+    ratio: float  # measured / predicted
+    anomaly: bool
+    risk_budget: float
+
+    def metrics(self) -> dict[str, float]:
+        return {"hilore/audit/cosine": self.cosine, "hilore/audit/rel_error": self.rel_error,
+                "hilore/audit/measured": self.measured, "hilore/audit/predicted": self.predicted,
+                "hilore/audit/ratio": self.ratio, "hilore/audit/anomaly": float(self.anomaly),
+                "hilore/risk_budget": self.risk_budget}
+
+
+@dataclass
+class GradientAudit:
+    """Every `every` steps: exact vs approximate gradient on a sampled micro-batch.
+
+    The measured deviation re-scales the sensitivities of the plan's lossy units (fully when it
+    is off by more than `tolerance`, by `learning_rate` in log space otherwise). A deviation above
+    `tolerance` x predicted is an anomaly: the risk budget halves. Within tolerance and below the
+    budget, the budget relaxes by 10% towards its initial value.
+    """
+
+    risk: RiskModel
+    risk_budget: float = 0.01
+    every: int = 50
+    tolerance: float = 2.0
+    learning_rate: float = 0.3
+    min_budget: float = 1e-5
+    initial_budget: float | None = None
+    history: list[AuditResult] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.every < 1 or self.tolerance <= 1 or self.risk_budget <= 0:
+            raise ValueError("need every >= 1, tolerance > 1 and risk_budget > 0")
+        if self.initial_budget is None:
+            self.initial_budget = self.risk_budget
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike,
+            exposure_l2: float) -> AuditResult:
+        exact, approx = exact.double(), approx.double()
+        measured = float((approx - exact).norm())
+        rel = measured / max(float(exact.norm()), 1e-30)
+        cosine = float(torch.dot(exact, approx) / (exact.norm() * approx.norm()).clamp_min(1e-30))
+        predicted = self.risk.predict(plans, exposure_l2)
+        lossy = [u for u, p in plans.items() if _lossy(p) is not None]
+        ratio = measured / predicted if predicted > 0 else (math.inf if measured > 0 else 1.0)
+        anomaly = ratio > self.tolerance
+        if lossy and predicted > 0 and measured > 0:
+            self.risk.rescale(lossy, ratio if anomaly else ratio ** self.learning_rate)
+        if anomaly:
+            self.risk_budget = max(self.risk_budget / 2, self.min_budget)
+        elif rel <= self.risk_budget:
+            self.risk_budget = min(self.risk_budget * 1.1, self.initial_budget)
+        result = AuditResult(step, cosine, rel, measured, predicted, ratio, anomaly, self.risk_budget)
+        self.history.append(result)
+        return result

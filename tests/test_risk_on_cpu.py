@@ -1,0 +1,108 @@
+"""The risk model: calibrated on the tiny model, it predicts held-out gradient errors within 2x;
+the audit catches a bad codec within one period and tightens the budget."""
+
+import math
+
+import pytest
+import torch
+
+import hilore_verl
+import hilore_verl.runtime.runtime as runtime_module
+from hilore_verl import exposure
+from hilore_verl.integration.engine import actor_config
+from hilore_verl.risk import GradientAudit, RiskModel, calibrate, codec_error
+from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from tests.harness.models import response_log_probs, surrogate_gradient
+
+WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48, zero_advantage_share=0.5)
+FMTS = ("int8", "fp8", "int4")
+
+
+def _micro_batch(model, seed):
+    batch = make_grpo_batch(WORKLOAD, seed=seed)
+    with torch.no_grad():
+        log_prob = response_log_probs(model, batch)
+    noise = torch.randn(log_prob.shape, generator=torch.Generator().manual_seed(seed)) * 0.1
+    batch["old_log_probs"] = (log_prob + noise) * batch["response_mask"]
+    c = exposure.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], batch["response_mask"],
+                                   actor_config())
+    return batch, c, exposure.summarize(c, batch["response_mask"]).l2_of()
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = hilore_verl.attach(model)
+    units = [u.name for u in rt.units]
+    risk = RiskModel()
+    for seed in (0, 1, 2):
+        batch, c, e2 = _micro_batch(model, seed)
+        calibrate(lambda plan: surrogate_gradient(model, rt, batch, c, plan), units, e2, FMTS, model=risk)
+    return model, rt, units, risk
+
+
+def test_codec_errors_are_measured_and_ordered():
+    errs = [codec_error(f) for f in FMTS]
+    assert errs == sorted(errs) and 0.004 < errs[0] < 0.008 and 0.08 < errs[2] < 0.15
+    assert codec_error("int8", 32) < codec_error("int8", 128)
+
+
+def test_predictions_within_a_factor_two_on_held_out_micro_batches(calibrated):
+    model, rt, units, risk = calibrated
+    figures = []
+    for seed in (10, 11, 12, 13):
+        batch, c, e2 = _micro_batch(model, seed)
+        exact = surrogate_gradient(model, rt, batch, c, {})
+        plans = [{u: f for u in units} for f in FMTS]  # every unit compressed
+        plans += [{"layers.1.mlp.act": "int4"}, {"head": "int8", "layers.0.attn.core": "fp8"}]
+        for plan in plans:
+            measured = float((surrogate_gradient(model, rt, batch, c, plan) - exact).norm())
+            predicted = risk.predict(plan, e2)
+            figures.append((seed, sorted(set(plan.values())), len(plan), measured / predicted))
+    print("\nheld-out measured / predicted:", [f"{s}:{fm}x{n}={r:.2f}" for s, fm, n, r in figures])
+    assert all(0.5 <= r <= 2.0 for *_, r in figures), figures
+
+
+def test_zero_exposure_means_zero_risk(calibrated):
+    _, _, units, risk = calibrated
+    assert risk.predict({u: "int4" for u in units}, 0.0) == 0.0
+    assert risk.predict({u: "keep" for u in units}, 1.0) == risk.predict({u: "recompute" for u in units}, 1.0) == 0
+    assert risk.predict_relative({"head": "int8"}) > 0
+
+
+def test_audit_catches_an_injected_bad_codec_and_tightens(calibrated, monkeypatch):
+    model, rt, units, risk = calibrated
+    risk = RiskModel()  # a copy: the fixture's model stays clean
+    risk.load_state_dict(calibrated[3].state_dict())
+    audit = GradientAudit(risk, risk_budget=0.05, every=2)
+    plan = {u: "int8" for u in units if u.startswith("layers.")}
+    real = runtime_module.quantize
+
+    def two_bit(t, fmt, group_size, **kwargs):  # a broken codec: int8 codes coarsened to 5 levels
+        q = real(t, fmt, group_size, **kwargs)
+        q.codes = (torch.round(q.codes.float() / 64) * 64).clamp(-127, 127).to(q.codes.dtype)
+        return q
+
+    results = []
+    for step in range(1, 7):
+        if step == 3:
+            monkeypatch.setattr(runtime_module, "quantize", two_bit)
+        batch, c, e2 = _micro_batch(model, 20 + step)
+        if audit.due(step):
+            exact = surrogate_gradient(model, rt, batch, c, {})
+            approx = surrogate_gradient(model, rt, batch, c, plan)
+            results.append(audit.run(step, exact, approx, plan, e2))
+    before, after = results[0], results[1]  # audits at steps 2 and 4: one period after the injection
+    assert not before.anomaly and before.risk_budget == pytest.approx(0.05)
+    assert after.anomaly and after.ratio > 2 and after.risk_budget == pytest.approx(0.025)
+    assert results[2].ratio < after.ratio  # sensitivities re-scaled: predictions caught up
+    metrics = after.metrics()
+    assert metrics["hilore/audit/anomaly"] == 1.0 and math.isclose(metrics["hilore/risk_budget"], 0.025)
+
+
+def test_uncalibrated_model_says_so():
+    with pytest.raises(ValueError, match="not calibrated"):
+        RiskModel().predict({"head": "int8"}, 1.0)
+    with pytest.raises(ValueError, match="need every >= 1"):
+        GradientAudit(RiskModel(), every=0)
