@@ -3,10 +3,11 @@
 Risk adds in quadrature (independent errors): the constraint is sum_u risk_u^2 <= risk_budget^2.
 
 - Small problems (at most EXACT_LIMIT combinations): every combination is checked: exact.
-- Otherwise: dynamic programming over a memory grid for time + lam * risk^2, with lam found by
-  bisection as the smallest price on risk whose plan fits the risk budget (lam = 0 first: often
-  the risk budget does not bind). Memory costs are rounded *up* to the grid, so a returned plan
-  never exceeds the memory budget; it is optimal for the rounded problem at that lam.
+- Otherwise: dynamic programming over a memory grid (512 steps of the largest possible plan) for
+  time + lam * risk^2, with lam found by bisection as the smallest price on risk whose plan fits
+  the risk budget (lam = 0 first: often the risk budget does not bind). Memory costs are rounded
+  *up* to the grid, so a returned plan never exceeds the memory budget; it is optimal for the
+  rounded problem at that lam (the price can leave some risk budget unspent).
 
 Ties go to the earlier option (keep, recompute, then lossy ones): the same inputs give the same
 plan on every rank.
@@ -62,9 +63,11 @@ def _exact(options, memory_budget, risk2_budget) -> list[int] | None:
 
 
 def _dp(options, memory_budget, lam, bins) -> list[int] | None:
-    """Least time + lam * risk^2 within the memory budget (grid, costs rounded up)."""
-    step = max(memory_budget, 1.0) / bins
-    M = bins + 1
+    """Least time + lam * risk^2 within the memory budget. The grid step depends on the options only
+    (not the budget), so a larger budget only adds states: more memory never gives a slower plan."""
+    ceiling = sum(max(o.memory for o in opts) for opts in options)
+    step = max(ceiling, 1.0) / bins
+    M = min(int(min(memory_budget, ceiling) / step + 1e-9), bins) + 1
     best = np.zeros(M)
     picks = np.empty((len(options), M), dtype=np.int8)
     for u, opts in enumerate(options):
@@ -123,21 +126,28 @@ def solve(options: Sequence[Sequence[Option]], memory_budget: float, risk_budget
         return Solution([], 0.0, 0.0, 0.0)
     if not (memory_budget >= 0 and risk_budget >= 0):
         raise ValueError(f"budgets must be numbers >= 0; got memory {memory_budget}, risk {risk_budget}")
-    min_memory = sum(min(o.memory for o in opts) for opts in options)
+    risk2_budget = risk_budget ** 2
+    # an option whose own risk exceeds the budget can never be part of a plan
+    index = [[k for k, o in enumerate(opts) if o.risk ** 2 <= risk2_budget] for opts in options]
+    if any(not ks for ks in index):
+        raise Infeasible("a unit has no option within the risk budget")
+    allowed = [[options[u][k] for k in ks] for u, ks in enumerate(index)]
+    min_memory = sum(min(o.memory for o in opts) for opts in allowed)
     if min_memory > memory_budget:
         raise Infeasible(f"even the smallest plan needs {min_memory:.0f} bytes; the budget is {memory_budget:.0f}")
-    risk2_budget = risk_budget ** 2
-    if risk2_budget == 0:  # no lossy option can be taken at all
-        options = [[o if o.risk == 0 else Option(o.name, o.memory, math.inf, o.risk) for o in opts]
-                   for opts in options]
-    if math.prod(len(o) for o in options) <= EXACT_LIMIT:
-        choices = _exact(options, memory_budget, risk2_budget)
+    if math.prod(len(o) for o in allowed) <= EXACT_LIMIT:
+        choices = _exact(allowed, memory_budget, risk2_budget)
     else:
-        choices = _dp(options, memory_budget, 0.0, memory_bins)
-        if choices is not None and _risk2(options, choices) > risk2_budget:
-            choices = _price_risk(options, memory_budget, risk2_budget, memory_bins)
+        choices = _dp(allowed, memory_budget, 0.0, memory_bins)
+        if choices is not None and _risk2(allowed, choices) > risk2_budget:
+            choices = _price_risk(allowed, memory_budget, risk2_budget, memory_bins)
+    if choices is None:  # the grid rounds costs up; the smallest plan may still fit exactly
+        smallest = [min(range(len(opts)), key=lambda k: (opts[k].memory, opts[k].risk, k)) for opts in allowed]
+        if _risk2(allowed, smallest) <= risk2_budget:
+            choices = smallest
     if choices is None:
         raise Infeasible("no plan fits both the memory and the risk budget")
+    choices = [index[u][k] for u, k in enumerate(choices)]
     chosen = [options[u][k] for u, k in enumerate(choices)]
     return Solution(choices, sum(o.time for o in chosen), sum(o.memory for o in chosen),
                     math.sqrt(sum(o.risk ** 2 for o in chosen)))

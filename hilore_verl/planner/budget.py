@@ -1,0 +1,35 @@
+"""Memory budget: `gc_ratio` (default 1.10 x the full-recompute peak), `gib` (absolute) or `auto`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("gc_ratio", "gib", "auto")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    mode: str = "gc_ratio"
+    """gc_ratio: value x the peak of full recompute (the GC baseline); gib: value GiB; auto: free
+    device memory at start-up less `value` GiB of headroom."""
+    value: float = 1.10
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown budget mode {self.mode!r}; valid: {', '.join(MODES)} "
+                             "(e.g. {mode: gc_ratio, value: 1.10} or {mode: gib, value: 40})")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise ValueError(f"budget value must be a number, got {self.value!r}; e.g. gc_ratio 1.10, gib 40, auto 2")
+        if self.value < 0 or (self.mode != "auto" and self.value == 0):
+            raise ValueError(f"budget value must be > 0 (>= 0 for auto's headroom), got {self.value}")
+
+    def resolve(self, gc_peak_bytes: float, free_bytes: float | None = None) -> float:
+        """The budget in bytes, given the full-recompute peak (and free device memory for auto)."""
+        if self.mode == "gc_ratio":
+            return self.value * gc_peak_bytes
+        if self.mode == "gib":
+            return self.value * GIB
+        if free_bytes is None:
+            raise ValueError("budget mode auto needs the free device memory")
+        return free_bytes - self.value * GIB

@@ -1,0 +1,180 @@
+"""Per-mini-batch controller: statistics in, plan out, identical on every data-parallel rank.
+
+    ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
+    ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per local micro-batch; all-reduced
+    for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
+    ctl.end_mini_batch(measured_peak_bytes)
+    on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
+
+Memory model of the actor update's peak (what the planner must keep under the budget):
+
+    peak = static + unmanaged + sum_u memory(u, option) + transient reserve (largest unit's saved bytes)
+
+Risk: micro-batch i's lossy units may spend sqrt(sum_u risk(u)^2) up to its allowance, the
+mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly over micro-batches
+(in quadrature). Exposures and token counts are all-reduced over the data-parallel group first. A micro-batch with no exposure (all zero-advantage) spends nothing, whatever it
+compresses; a high-exposure one must keep or recompute more.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hilore_verl.planner.budget import BudgetConfig
+from hilore_verl.planner.costs import CostTable
+from hilore_verl.planner.solver import Infeasible, solve
+from hilore_verl.risk import RiskModel
+from hilore_verl.runtime import Mode, Runtime, UnitPlan
+
+
+@dataclass
+class PlanRecord:
+    plan: dict[str, str]
+    predicted_peak: float
+    predicted_risk: float
+    risk_allowance: float
+    solve_ms: float
+    spent_risk: float | None = None
+
+
+@dataclass
+class Controller:
+    runtime: Runtime
+    costs: CostTable
+    risk: RiskModel | None
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    static_bytes: float = 0.0
+    risk_budget: float = 0.01
+    group: object = None  # data-parallel process group (None: the default group when initialised)
+    token_bucket: int = 256
+    free_bytes: float | None = None
+    memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
+    history: list[PlanRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.gc_peak = self.predicted_peak({u.name: "recompute" for u in self.costs.units}, self.costs.tokens)
+        self.memory_budget = self.budget.resolve(self.gc_peak, self.free_bytes)
+        if self.memory_budget < self.gc_peak:
+            raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
+                             f"needs: {self.gc_peak / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
+        self._cache: dict[tuple, dict[str, str]] = {}
+        self._micro: list[tuple[float, int]] = []
+        self._allowance2 = 0.0
+
+    # ------------------------------------------------------------------ memory model
+    def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
+        return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
+
+    def activation_budget(self, tokens: int) -> float:
+        k = self.costs.scale(tokens)
+        return (self.memory_budget * self.memory_factor - self.static_bytes - self.costs.unmanaged_bytes * k
+                - self.costs.transient(tokens))
+
+    # ------------------------------------------------------------------ per mini-batch
+    def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int]) -> None:
+        """Per local micro-batch: exposure (L2 of c) and tokens. All-reduced over the data-parallel
+        group (sum of squares, max), so that micro-batch i gets the same plan on every rank."""
+        n = len(exposure_l2)
+        if n != len(tokens) or n == 0:
+            raise ValueError(f"need one exposure and one token count per micro-batch; got {n} and {len(tokens)}")
+        e2 = torch.tensor([e * e for e in exposure_l2], dtype=torch.float64)
+        tok = torch.tensor([float(t) for t in tokens], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            counts = torch.tensor([float(n), -float(n)], dtype=torch.float64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+            if counts[0] != -counts[1]:
+                raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
+                                 "verl splits them with same_micro_num_in_dp=True")
+            dist.all_reduce(e2, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=self.group)
+        grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
+        self._allowance2 = (self.risk_budget * grad_scale) ** 2 * float(e2.sum()) / n
+        self._micro = [(math.sqrt(float(a)), int(t)) for a, t in zip(e2, tok)]
+
+    def plan_micro_batch(self, index: int) -> dict[str, str]:
+        """Solve (or reuse) the plan for one local micro-batch and hand it to the runtime."""
+        l2, tokens = self._micro[index]  # global figures: the same on every rank
+        bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
+        allowance = math.sqrt(self._allowance2)
+        key = (bucket, round(l2 / allowance, 2) if allowance > 0 else (0.0 if l2 == 0 else math.inf),
+               round(self.memory_factor, 4))
+        start = time.perf_counter()
+        plan = self._cache.get(key)
+        if plan is None:
+            plan = self._solve(l2, bucket, allowance)
+            self._cache[key] = plan
+        solve_ms = (time.perf_counter() - start) * 1e3
+        self.runtime.set_plan(self.runtime_plan(plan))
+        predicted_risk = self.risk.predict(plan, l2) if self.risk is not None else 0.0
+        self.history.append(PlanRecord(plan, self.predicted_peak(plan, bucket), predicted_risk, allowance, solve_ms))
+        return plan
+
+    def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
+        """Option names ("int8+offload", ...) as the runtime's UnitPlans."""
+        out = {}
+        for unit, choice in plan.items():
+            fmt, _, offload = choice.partition("+")
+            out[unit] = (UnitPlan.parse(fmt) if fmt in ("keep", "recompute") else
+                         UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload)))
+        return out
+
+    def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
+        """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
+        by_name = {u.name: u for u in self.costs.units}
+        held = 0.0
+        for name, choice in plan.items():
+            options = {o.name: o for o in self.costs.options(by_name[name], tokens)}
+            held += options.get(choice, options["keep"]).memory  # a unit with nothing saved has no lossy option
+        return held + self.costs.unmanaged_bytes * self.costs.scale(tokens)
+
+    def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
+        risk = (lambda unit, fmt: self.risk.unit_risk(unit, fmt, l2)) if self.risk is not None else None
+        options = [self.costs.options(u, tokens, risk) for u in self.costs.units]
+        if self.risk is None:  # nothing calibrated: lossy modes are not allowed
+            allowance = 0.0
+        solution = solve(options, self.activation_budget(tokens), allowance)
+        return {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
+
+    def after_forward(self, index: int, exposure_l2_exact: float) -> None:
+        """Record the risk actually spent, from the exact coefficients (after the forward, before backward)."""
+        if self.history and self.risk is not None:
+            self.history[-1].spent_risk = self.risk.predict(self.history[-1].plan, exposure_l2_exact)
+
+    def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
+        """If the measured peak went over the budget, plan tighter from now on."""
+        if measured_peak_bytes is not None and measured_peak_bytes > self.memory_budget * self.memory_factor:
+            self.memory_factor *= 0.95 * self.memory_budget * self.memory_factor / measured_peak_bytes
+
+    def on_oom(self) -> dict[str, str]:
+        """Out of memory: retry the micro-batch with every unit recomputed; plan 10% tighter afterwards."""
+        self.memory_factor *= 0.9
+        self._cache.clear()
+        plan = {u.name: "recompute" for u in self.costs.units}
+        self.runtime.set_plan(self.runtime_plan(plan))
+        return plan
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, float]:
+        if not self.history:
+            return {}
+        last = self.history[-1]
+        counts: dict[str, int] = {}
+        for choice in last.plan.values():
+            mode = choice.split("+")[0]
+            counts[mode] = counts.get(mode, 0) + 1
+        out = {f"hilore/plan/units_{m}": float(n) for m, n in counts.items()}
+        out.update({"hilore/plan/predicted_peak_gib": last.predicted_peak / 2**30,
+                    "hilore/plan/budget_gib": self.memory_budget * self.memory_factor / 2**30,
+                    "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
+                    "hilore/plan/solver_ms": last.solve_ms})
+        if last.spent_risk is not None:
+            out["hilore/plan/risk_spent"] = last.spent_risk
+        return out
+
+
+__all__ = ["Controller", "Infeasible", "PlanRecord"]

@@ -1,0 +1,155 @@
+"""Cost model: per unit and option, bytes held until backward and extra time, scaled by tokens.
+
+Measured by `profile` on a probe micro-batch (what each unit's saved tensors take, what a
+recomputed unit must still hold, each unit's forward time, codec and host-copy throughput), then
+scaled linearly by token count. Per unit u with saved bytes S_u, held-for-recompute bytes H_u
+and forward time F_u (at the probe's token count, times tokens / probe tokens):
+
+    keep        memory S_u               time 0
+    recompute   memory H_u               time F_u                       transient S_u in its backward
+    fmt         memory S_u * r_fmt       time 2 S_u / codec_bw          r_fmt = codes + scales + flags per byte
+    fmt+offload memory 0                 time 2 S_u / codec_bw + 2 S_u r_fmt / host_bw
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from hilore_verl.kernels import quantize
+from hilore_verl.planner.solver import Option
+from hilore_verl.runtime import Runtime
+
+FORMATS = ("int8", "fp8", "int4")
+
+
+def payload_ratio(fmt: str, element_size: int, group_size: int = 64) -> float:
+    """Payload bytes per input byte: codes + an fp32 scale and a flag byte per group."""
+    code = 0.5 if fmt == "int4" else 1.0
+    return (code + 5 / group_size) / element_size
+
+
+@dataclass
+class UnitProfile:
+    name: str
+    saved_bytes: float  # what the unit's saved tensors take (keep)
+    held_bytes: float  # what the unit holds when recomputed and its neighbours kept (inputs, replayed outputs)
+    forward_s: float  # the unit's own forward time (children of other units excluded)
+    compressible: float = 1.0  # share of saved bytes a codec can take (the rest, e.g. -inf masks, stays exact)
+
+
+@dataclass
+class CostTable:
+    units: list[UnitProfile]
+    tokens: int  # the probe micro-batch's token count
+    unmanaged_bytes: float  # saved state outside units (residual stream, masks, small tensors)
+    element_size: int = 2
+    codec_bytes_per_s: float = 1e10
+    host_bytes_per_s: float = 2e10
+    formats: Sequence[str] = FORMATS
+    offload: bool = False
+    group_size: int = 64
+
+    def scale(self, tokens: int) -> float:
+        return tokens / self.tokens
+
+    def options(self, unit: UnitProfile, tokens: int, risk: Callable[[str, str], float] | None = None) -> list[Option]:
+        """keep, recompute, then each format (and its offloaded variant when enabled)."""
+        k = self.scale(tokens)
+        S, H, F = unit.saved_bytes * k, unit.held_bytes * k, unit.forward_s * k
+        opts = [Option("keep", S, 0.0), Option("recompute", H, F)]
+        if S > 0:
+            for fmt in self.formats:
+                r = risk(unit.name, fmt) if risk else math.inf  # no risk model: lossy is never free
+                c = unit.compressible
+                payload = S * (c * payload_ratio(fmt, self.element_size, self.group_size) + 1 - c)
+                codec_s = 2 * S / self.codec_bytes_per_s
+                opts.append(Option(fmt, payload, codec_s, r))
+                if self.offload:
+                    opts.append(Option(fmt + "+offload", 0.0, codec_s + 2 * payload / self.host_bytes_per_s, r))
+        return opts
+
+    def transient(self, tokens: int) -> float:
+        """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""
+        return max((u.saved_bytes for u in self.units), default=0.0) * self.scale(tokens)
+
+
+def _unit_times(runtime: Runtime, run: Callable[[], None]) -> dict[str, float]:
+    """Forward time per unit: each unit-module call timed, minus its child unit-module calls."""
+    stack: list[list] = []
+    totals = {u.name: 0.0 for u in runtime.units}
+    handles = []
+    unit_of = runtime._module_unit
+
+    def pre(module, args):
+        if torch.is_grad_enabled() and runtime._replay is None:
+            stack.append([module, time.perf_counter(), 0.0])
+
+    def post(module, args, output):
+        if not stack or stack[-1][0] is not module:
+            return
+        _, start, children = stack.pop()
+        elapsed = time.perf_counter() - start
+        totals[unit_of[module].name] += elapsed - children
+        if stack:
+            stack[-1][2] += elapsed
+
+    for module in unit_of:
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return totals
+
+
+def _throughput(fn: Callable[[], None], nbytes: int, repeats: int = 3) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return nbytes * repeats / max(time.perf_counter() - start, 1e-9)
+
+
+def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2, **kwargs) -> CostTable:
+    """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
+
+    Probes: all kept (saved bytes, forward times); all int8 (the compressible share); then each
+    unit kind recomputed in every layer with the rest kept (what a recomputed unit still holds)."""
+    plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
+    kinds: dict[str, list[str]] = {}
+    for u in runtime.units:
+        kinds.setdefault(u.name.split(".", 2)[-1] if u.layer_index is not None else u.name, []).append(u.name)
+    try:
+        runtime.set_plan({})
+        times = _unit_times(runtime, run)
+        keep = runtime.stats()
+        runtime.set_plan({u.name: "int8" for u in runtime.units})
+        run()
+        int8 = runtime.stats()
+        held: dict[str, float] = {}
+        for names in kinds.values():
+            runtime.set_plan({n: "recompute" for n in names})
+            run()
+            stats = runtime.stats()
+            held.update({n: stats.units[n].stored_bytes for n in names})
+    finally:
+        runtime.set_plan(plan_before)
+    r8 = payload_ratio("int8", element_size)
+    units = []
+    for u in runtime.units:
+        saved, stored8 = keep.units[u.name].saved_bytes, int8.units[u.name].stored_bytes
+        compressible = min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0
+        units.append(UnitProfile(u.name, saved, held[u.name], times[u.name], compressible))
+    device = next(runtime.model.parameters()).device
+    sample = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+    codec = _throughput(lambda: quantize(sample, "int8", 64).dequantize(), 2 * sample.numel() * 2)
+    host = _throughput(lambda: sample.to("cpu", copy=True), sample.numel() * 2)
+    # unmanaged state (residual stream, masks, small tensors) is kept whatever the plan
+    return CostTable(units, tokens, keep.unmanaged_bytes, element_size, codec, host, **kwargs)

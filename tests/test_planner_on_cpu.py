@@ -1,0 +1,206 @@
+"""Planner: solver optimality and budgets, controller memory model, exposure-awareness, bad input."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import hilore_verl
+import hilore_verl.planner.solver as solver_module
+from hilore_verl.planner import BudgetConfig, Controller, Infeasible, Option, profile, solve
+from hilore_verl.risk import RiskModel
+from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from tests.harness.distributed import run_on_ranks
+from tests.harness.models import response_log_probs
+
+
+def _random_options(rng, units, lossy=True):
+    out = []
+    for _ in range(units):
+        keep = rng.randint(4, 12)
+        opts = [Option("keep", keep, 0.0), Option("recompute", rng.randint(0, 2), rng.uniform(1, 4))]
+        if lossy:
+            opts += [Option("int8", math.ceil(keep / 4), rng.uniform(0.1, 0.5), rng.uniform(0.05, 0.2)),
+                     Option("int4", math.ceil(keep / 8), rng.uniform(0.1, 0.5), rng.uniform(0.2, 0.6))]
+        out.append(opts)
+    return out
+
+
+def _brute(options, memory, risk):
+    best = None
+    for combo in itertools.product(*[range(len(o)) for o in options]):
+        chosen = [options[u][k] for u, k in enumerate(combo)]
+        if sum(o.memory for o in chosen) <= memory and sum(o.risk ** 2 for o in chosen) <= risk ** 2 + 1e-12:
+            t = sum(o.time for o in chosen)
+            best = t if best is None or t < best else best
+    return best
+
+
+def test_hand_solvable_case():
+    opts = [[Option("keep", 10, 0), Option("recompute", 1, 3), Option("int8", 3, 1, 0.5)] for _ in range(4)]
+    # 20 bytes: one unit kept (10), three int8 (9): time 3, risk sqrt(3) * 0.5 < 1
+    sol = solve(opts, 20, 1.0)
+    assert sorted(sol.choices) == [0, 2, 2, 2] and sol.time == 3 and sol.memory == 19
+    assert solve(opts, 20, 0.0).choices == [0, 1, 1, 1]  # zero risk budget: keep / recompute only
+    assert solve(opts, 40, 0.0).choices == [0, 0, 0, 0]  # all fits: keep everything
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_and_dp_paths_against_brute_force(seed, monkeypatch):
+    rng = random.Random(seed)
+    options = _random_options(rng, 5)
+    memory, risk = rng.randint(15, 40), rng.uniform(0.2, 1.0)
+    optimum = _brute(options, memory, risk)
+    sol = solve(options, memory, risk)
+    assert sol.time == pytest.approx(optimum)
+    monkeypatch.setattr(solver_module, "EXACT_LIMIT", 0)  # force the DP path
+    dp = solve(options, memory, risk)
+    assert dp.memory <= memory and dp.risk <= risk + 1e-9 and dp.time >= optimum - 1e-9
+    ceiling = sum(max(o.memory for o in opts) for opts in options)
+    no_risk = solve(options, memory, 10.0, memory_bins=ceiling)  # a grid step of 1 byte: integer costs sit on it
+    assert no_risk.time == pytest.approx(_brute(options, memory, 10.0))  # risk not binding: the DP is exact
+
+
+@pytest.mark.parametrize("force_dp", [False, True])
+def test_never_over_budget_and_more_memory_is_never_slower(force_dp, monkeypatch):
+    if force_dp:
+        monkeypatch.setattr(solver_module, "EXACT_LIMIT", 0)
+    rng = random.Random(42)
+    options = _random_options(rng, 7 if not force_dp else 40)
+    for risk in (0.0, 0.3, 1.0):
+        floor = sum(min(o.memory for o in opts if o.risk <= risk) for opts in options)
+        times = []
+        for memory in range(floor, floor + 120, 7):
+            sol = solve(options, memory, risk)
+            assert sol.memory <= memory and sol.risk <= risk + 1e-9
+            if risk == 0:
+                assert all(options[u][k].risk == 0 for u, k in enumerate(sol.choices))
+            times.append(sol.time)
+        assert all(b <= a + 1e-9 for a, b in zip(times, times[1:])), times
+
+
+def test_infeasible_budgets_are_refused():
+    opts = [[Option("keep", 10, 0), Option("recompute", 2, 1)]] * 3
+    with pytest.raises(Infeasible, match="even the smallest plan needs 6 bytes; the budget is 5"):
+        solve(opts, 5, 1.0)
+    with pytest.raises(ValueError, match="budgets must be numbers >= 0"):
+        solve(opts, -1, 1.0)
+
+
+def test_budget_config_forms():
+    assert BudgetConfig().resolve(100.0) == pytest.approx(110.0)
+    assert BudgetConfig("gib", 2).resolve(1.0) == 2 * 2**30
+    assert BudgetConfig("auto", 1).resolve(1.0, free_bytes=3 * 2**30) == 2 * 2**30
+    with pytest.raises(ValueError, match="unknown budget mode 'ratio'; valid: gc_ratio, gib, auto"):
+        BudgetConfig("ratio", 1.1)
+    with pytest.raises(ValueError, match="budget value must be a number"):
+        BudgetConfig("gib", "lots")
+    with pytest.raises(ValueError, match="must be > 0"):
+        BudgetConfig("gc_ratio", -1.0)
+
+
+WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = hilore_verl.attach(model)
+    batch = make_grpo_batch(WORKLOAD, seed=0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        response_log_probs(model, batch).sum().backward()
+
+    tokens = batch["attention_mask"].numel()
+    return model, rt, run, tokens, profile(rt, run, tokens, element_size=4)
+
+
+def _flat_risk(units, grad_scale=1.0):
+    return RiskModel(sensitivity={u.name: 1.0 for u in units}, grad_scale=grad_scale)
+
+
+def test_predicted_memory_matches_the_runtime_across_plans(tiny):
+    model, rt, run, tokens, costs = tiny
+    ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 2.0))
+    rng = random.Random(0)
+    plans = [{u.name: m for u in costs.units} for m in ("keep", "recompute", "int8", "fp8", "int4")]
+    plans += [{u.name: rng.choice(["keep", "recompute", "int8", "int4"]) for u in costs.units} for _ in range(5)]
+    figures = []
+    for plan in plans:
+        rt.set_plan(ctl.runtime_plan(plan))
+        run()
+        stats = rt.stats()
+        measured = stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes
+        figures.append(ctl.held_bytes(plan, tokens) / measured)
+    print("\npredicted / measured held bytes:", [f"{r:.3f}" for r in figures])
+    assert all(0.9 <= r <= 1.1 for r in figures), figures
+
+
+def test_budget_below_full_recompute_is_refused_at_start_up(tiny):
+    _, rt, _, _, costs = tiny
+    with pytest.raises(ValueError, match=r"below what full recompute needs: .* GiB at \d+ tokens"):
+        Controller(rt, costs, None, BudgetConfig("gib", 1e-6))
+
+
+def _gpu_like(costs):
+    """CPU timings make the torch reference codec slower than recompute; give the GPU's proportions."""
+    import dataclasses
+
+    costs = dataclasses.replace(costs, codec_bytes_per_s=1e12)
+    costs.units = [dataclasses.replace(u, forward_s=1e-3) for u in costs.units]
+    return costs
+
+
+def test_zero_exposure_micro_batch_gets_more_compression(tiny):
+    _, rt, _, tokens, costs = tiny
+    costs = _gpu_like(costs)
+    ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
+    ctl.begin_mini_batch(exposure_l2=[0.0, 1.0], tokens=[tokens, tokens])
+    quiet, loud = ctl.plan_micro_batch(0), ctl.plan_micro_batch(1)
+    lossy = lambda plan: sum(v not in ("keep", "recompute") for v in plan.values())  # noqa: E731
+    assert lossy(quiet) > lossy(loud)
+    assert ctl.history[0].predicted_risk == 0.0
+    assert ctl.history[1].predicted_risk <= ctl.history[1].risk_allowance + 1e-12
+    assert ctl.metrics()["hilore/plan/solver_ms"] >= 0
+
+
+def test_more_budget_never_slower_and_oom_falls_back_to_recompute(tiny):
+    _, rt, _, tokens, costs = tiny
+    times = []
+    for ratio in (1.0, 1.1, 1.25, 1.5, 3.0):
+        ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", ratio))
+        ctl.begin_mini_batch([1.0], [tokens])
+        plan = ctl.plan_micro_batch(0)
+        by = {u.name: u for u in costs.units}
+        times.append(sum(o.time for n, c in plan.items() for o in costs.options(by[n], tokens) if o.name == c))
+        assert ctl.predicted_peak(plan, tokens) <= ctl.memory_budget + 1e-6
+    assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
+    plan = ctl.on_oom()
+    assert set(plan.values()) == {"recompute"} and ctl.memory_factor == pytest.approx(0.9)
+    assert rt.plan_of("head").mode.value == "recompute"
+
+
+def _plans_on_rank(rank, world_size):
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = hilore_verl.attach(model)
+    batch = make_grpo_batch(WORKLOAD, seed=0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        response_log_probs(model, batch).sum().backward()
+
+    tokens = batch["attention_mask"].numel()
+    costs = _gpu_like(profile(rt, run, tokens, element_size=4))
+    ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
+    local = [0.0, 0.5] if rank == 0 else [0.8, 0.0]  # different local data on each rank
+    ctl.begin_mini_batch(local, [tokens - 7 * rank, tokens])
+    return [ctl.plan_micro_batch(i) for i in range(2)]
+
+
+def test_ranks_with_different_data_plan_identically():
+    plans = run_on_ranks(_plans_on_rank, 2)
+    assert plans[0] == plans[1]
