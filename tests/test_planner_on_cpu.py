@@ -204,3 +204,16 @@ def _plans_on_rank(rank, world_size):
 def test_ranks_with_different_data_plan_identically():
     plans = run_on_ranks(_plans_on_rank, 2)
     assert plans[0] == plans[1]
+
+
+def test_analytic_costs_from_the_config_match_the_profile(tiny):
+    from hilore_verl.planner.analytic import analytic_costs
+    from hilore_verl.tiny_models import tiny_config
+
+    _, _, _, tokens, costs = tiny
+    analytic = analytic_costs(tiny_config("qwen2"), tokens=tokens, seq_len=WORKLOAD.max_prompt_len, dtype=torch.float32)
+    for measured, estimated in zip(costs.units, analytic.units):
+        assert measured.name == estimated.name
+        if measured.saved_bytes and "attn.core" not in measured.name:
+            assert estimated.saved_bytes == pytest.approx(measured.saved_bytes, rel=0.05), measured.name
+    assert all(u.forward_s >= 0 for u in analytic.units)

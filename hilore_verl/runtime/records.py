@@ -40,9 +40,17 @@ def apply_geometry(t: torch.Tensor, geometry: Geometry | None) -> torch.Tensor:
     return t.as_strided(size, stride, t.storage_offset() + rel)
 
 
+def storage_id(t: torch.Tensor):
+    """The storage's address. Meta tensors (shape-only planning) have none: their base tensor's id
+    stands in, which tells views of one tensor apart from other tensors."""
+    if t.device.type == "meta":
+        return "meta", id(t._base if t._base is not None else t)
+    return t.untyped_storage().data_ptr()
+
+
 def storage_key(t: torch.Tensor) -> tuple:
-    """One distinct view: storage address, offset, shape, stride, dtype."""
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+    """One distinct view: storage, offset, shape, stride, dtype."""
+    return storage_id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 class LiveKeyMap:

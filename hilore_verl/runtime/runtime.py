@@ -17,6 +17,7 @@ state and autocast state, with held child outputs replayed, and hand out the reg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from contextlib import ExitStack
@@ -31,7 +32,7 @@ from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
 from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors,
-                                         storage_key, tensor_leaves)
+                                         storage_id, storage_key, tensor_leaves)
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
@@ -247,6 +248,19 @@ class Runtime:
                 and self._plans[record.unit.index].mode != Mode.RECOMPUTE):
             record.held_output = map_tensors(output, lambda t: HeldInput(self._hold(t), t.requires_grad))
 
+    @contextlib.contextmanager
+    def tracking(self):
+        """Account saved tensors of code that drives unit modules directly (not through the root
+        module's forward), e.g. decoder layers run one by one. No-op inside a root forward."""
+        if self._fwd is not None or not torch.is_grad_enabled():
+            yield
+            return
+        self._open_forward()
+        try:
+            yield
+        finally:
+            self._close_forward(merge=False)
+
     def call(self, unit_name: str, fn, *args, **kwargs):
         """Run `fn(*args, **kwargs)` as part of a unit: what it saves is kept, compressed or recomputed
         (by calling `fn` again) as that unit's plan says. For code outside the model's forward that
@@ -272,14 +286,14 @@ class Runtime:
         return output
 
     def _register(self, t: torch.Tensor, unit, record, locator) -> None:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_id(t)
         entry = self._fwd.registry.get(ptr)
         if entry is not None and entry.anchor() is not None:
             return  # first producer wins (a module may return a view of its input)
         self._fwd.registry[ptr] = _Entry(unit, record, locator, weakref.ref(t))
 
     def _lookup(self, t: torch.Tensor) -> _Entry | None:
-        entry = self._fwd.registry.get(t.untyped_storage().data_ptr())
+        entry = self._fwd.registry.get(storage_id(t))
         if entry is None:
             return None
         anchor = entry.anchor()

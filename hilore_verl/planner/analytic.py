@@ -1,0 +1,85 @@
+"""A cost table from the model config alone: the model on the meta device, no data, no GPU.
+
+Saved bytes come from the runtime's own accounting of a meta-device forward of the decoder layers
+and head (exact shapes, no compute), except the attention core: on meta, SDPA takes its math path
+(T x T scores), so a fused kernel's saves are used (q, k, v, output, fp32 logsumexp). Times are
+estimates from FLOPs and bytes:
+
+    projections   2 * tokens * sum(in * out) / flops_per_s
+    attention     4 * tokens * seq_len * heads * head_dim / flops_per_s (causal: half of 8)
+    norms, act    2 * saved bytes / bytes_per_s                                (memory-bound)
+    head          2 * tokens * hidden * vocab / flops_per_s
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+import hilore_verl
+from hilore_verl.planner.costs import CostTable, UnitProfile, payload_ratio  # noqa: F401
+from hilore_verl.units import RecoveryUnit
+
+
+def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) -> None:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    hidden = torch.empty(1, tokens, model.config.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+    positions = torch.arange(tokens, device="meta")[None]
+    cos_sin = inner.rotary_emb(hidden, positions)
+    with runtime.tracking():
+        h = hidden
+        for layer in inner.layers:
+            out = layer(h, attention_mask=None, position_embeddings=cos_sin, position_ids=positions, use_cache=False)
+            h = out[0] if isinstance(out, tuple) else out
+        model.get_output_embeddings()(inner.norm(h))
+
+
+def _unit_flops(unit: RecoveryUnit, tokens: int, seq_len: int, config: PretrainedConfig) -> float:
+    if unit.kind == "proj":
+        return 2.0 * tokens * sum(m.in_features * m.out_features for m in unit.modules)
+    if unit.kind == "attn_core":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 4.0 * tokens * seq_len * config.num_attention_heads * head_dim
+    if unit.kind == "head":
+        return 2.0 * tokens * config.hidden_size * config.vocab_size
+    return 0.0
+
+
+def _fused_attention_saved(config: PretrainedConfig, tokens: int, element: int) -> float:
+    """What a fused attention kernel saves: rotated q and k, v, the output, and an fp32 logsumexp."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = getattr(config, "num_key_value_heads", config.num_attention_heads) * head_dim
+    return tokens * ((2 * q + 2 * kv) * element + 4 * config.num_attention_heads)
+
+
+def analytic_costs(config: PretrainedConfig, tokens: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
+                   flops_per_s: float = 400e12, bytes_per_s: float = 3e12, **kwargs) -> CostTable:
+    """CostTable for `tokens` tokens per micro-batch in sequences of about `seq_len`, from the config."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
+    runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=0))
+    try:
+        _meta_forward(model, runtime, tokens, dtype)
+        keep = runtime.stats()
+        kinds: dict[str, list[str]] = {}
+        for u in runtime.units:
+            kinds.setdefault(u.name.split(".", 2)[-1] if u.layer_index is not None else u.name, []).append(u.name)
+        held: dict[str, float] = {}
+        for names in kinds.values():
+            runtime.set_plan({n: "recompute" for n in names})
+            _meta_forward(model, runtime, tokens, dtype)
+            held.update({n: runtime.stats().units[n].stored_bytes for n in names})
+        element = torch.tensor([], dtype=dtype).element_size()
+        units = []
+        for u in runtime.units:
+            saved = keep.units[u.name].saved_bytes
+            if u.kind == "attn_core":  # meta tensors run SDPA's math path (T x T scores): use the fused kernel's saves
+                saved = _fused_attention_saved(config, tokens, element)
+            seconds = max(_unit_flops(u, tokens, seq_len, config) / flops_per_s, 2 * saved / bytes_per_s)
+            units.append(UnitProfile(u.name, saved, held[u.name], seconds))
+        return CostTable(units, tokens, keep.unmanaged_bytes, element, codec_bytes_per_s=bytes_per_s,
+                         host_bytes_per_s=kwargs.pop("host_bytes_per_s", 50e9), **kwargs)
+    finally:
+        runtime.detach()
