@@ -217,3 +217,25 @@ def test_analytic_costs_from_the_config_match_the_profile(tiny):
         if measured.saved_bytes and "attn.core" not in measured.name:
             assert estimated.saved_bytes == pytest.approx(measured.saved_bytes, rel=0.05), measured.name
     assert all(u.forward_s >= 0 for u in analytic.units)
+
+
+def test_an_audit_anomaly_tightens_the_next_plans(tiny):
+    from hilore_verl.risk import GradientAudit
+
+    _, rt, _, tokens, costs = tiny
+    costs = _gpu_like(costs)
+    risk = _flat_risk(costs.units)
+    ctl = Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
+                     audit=GradientAudit(risk, risk_budget=0.05, every=1))
+    ctl.begin_mini_batch([1.0], [tokens])
+    plan = ctl.plan_micro_batch(0)
+    lossy = [u for u, c in plan.items() if c not in ("keep", "recompute")]
+    assert lossy and ctl.audit_due(1)
+    exact = torch.ones(100, dtype=torch.float64)
+    approx = exact + 0.5  # far more deviation than predicted: an anomaly
+    result = ctl.record_audit(1, exact, approx, exposure_l2=1.0)
+    assert result.anomaly and ctl.risk_budget == pytest.approx(0.025)
+    ctl.begin_mini_batch([1.0], [tokens])
+    tighter = ctl.plan_micro_batch(0)
+    assert all(tighter[u] in ("keep", "recompute") for u in lossy)  # the units the audit caught are exact now
+    assert ctl.metrics()["hilore/audit/anomaly"] == 1.0

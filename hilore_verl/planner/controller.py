@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable
 from hilore_verl.planner.solver import Infeasible, solve
-from hilore_verl.risk import RiskModel
+from hilore_verl.risk import GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
@@ -54,6 +54,7 @@ class Controller:
     token_bucket: int = 256
     free_bytes: float | None = None
     memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
+    audit: GradientAudit | None = None  # run by the integration on its schedule; adjusts risk_budget
     history: list[PlanRecord] = field(default_factory=list)
 
     def __post_init__(self):
@@ -150,6 +151,18 @@ class Controller:
         if measured_peak_bytes is not None and measured_peak_bytes > self.memory_budget * self.memory_factor:
             self.memory_factor *= 0.95 * self.memory_budget * self.memory_factor / measured_peak_bytes
 
+    def audit_due(self, step: int) -> bool:
+        """Whether the integration should compute an exact gradient next to this step's approximate one."""
+        return self.audit is not None and self.audit.due(step)
+
+    def record_audit(self, step: int, exact: torch.Tensor, approx: torch.Tensor, exposure_l2: float):
+        """Feed an audit (exact vs approximate gradient of a sampled micro-batch under the last plan);
+        the audit re-scales sensitivities and may tighten the risk budget, which the next plans use."""
+        result = self.audit.run(step, exact, approx, self.history[-1].plan, exposure_l2)
+        self.risk_budget = result.risk_budget
+        self._cache.clear()
+        return result
+
     def on_oom(self) -> dict[str, str]:
         """Out of memory: retry the micro-batch with every unit recomputed; plan 10% tighter afterwards."""
         self.memory_factor *= 0.9
@@ -174,6 +187,8 @@ class Controller:
                     "hilore/plan/solver_ms": last.solve_ms})
         if last.spent_risk is not None:
             out["hilore/plan/risk_spent"] = last.spent_risk
+        if self.audit is not None and self.audit.history:
+            out.update(self.audit.history[-1].metrics())
         return out
 
 
