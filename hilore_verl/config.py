@@ -1,0 +1,128 @@
+"""The `hilore:` config section (beside verl's actor config): typed, validated before any model is built.
+
+    actor_rollout_ref.actor.hilore:
+      enable: true
+      budget: {mode: gc_ratio, value: 1.10}
+      risk_budget: 0.01
+      formats: [int8, fp8, int4]
+
+Every field is listed with its type, default, range and effect in docs/config.md. Unknown keys,
+wrong types and out-of-range values raise ValueError naming the key and what is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from hilore_verl.kernels import FORMATS, GROUP_SIZES
+from hilore_verl.planner.budget import MODES, BudgetConfig
+
+
+@dataclass(frozen=True)
+class HiLoReConfig:
+    enable: bool = False
+    """Turn HiLoRe on for the actor update (off: stock verl, untouched)."""
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """Memory budget of the actor update: gc_ratio x the full-recompute peak, gib, or auto."""
+    risk_budget: float = 0.01
+    """Allowed predicted relative gradient error per mini-batch; 0 allows only keep / recompute."""
+    formats: tuple[str, ...] = FORMATS
+    """Compression formats the planner may use."""
+    group_size: int = 64
+    """Elements per quantization scale."""
+    offload: bool = False
+    """Let the planner also offload compressed payloads to host memory."""
+    stochastic_rounding: bool = False
+    """Round compressed values stochastically (unbiased) instead of to nearest."""
+    min_bytes: int = 16384
+    """Saved tensors smaller than this are always kept."""
+    audit_every: int = 50
+    """Steps between gradient audits (0: no audit)."""
+    audit_tolerance: float = 2.0
+    """Measured / predicted gradient error above this is an anomaly: the risk budget halves."""
+    token_bucket: int = 256
+    """Plans are cached per bucket of tokens per micro-batch."""
+    seed: int = 0
+    """Seed of stochastic rounding."""
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> "HiLoReConfig":
+        section = _plain(section or {})
+        if not isinstance(section, dict):
+            raise ValueError(f"hilore: expected a mapping of settings, got {type(section).__name__}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(section) - set(valid))
+        if unknown:
+            raise ValueError(f"hilore.{unknown[0]}: unknown key; valid keys: {', '.join(valid)}")
+        values = dict(section)
+        if "budget" in values:
+            values["budget"] = _budget(values["budget"])
+        if "formats" in values:
+            values["formats"] = _formats(values["formats"])
+        return cls(**values)
+
+    def __post_init__(self):
+        _check_type("enable", self.enable, bool)
+        _check_type("offload", self.offload, bool)
+        _check_type("stochastic_rounding", self.stochastic_rounding, bool)
+        _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
+        _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)
+        _check_int("min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
+        _check_int("audit_every", self.audit_every, ">= 0", lambda v: v >= 0)
+        _check_int("token_bucket", self.token_bucket, ">= 1", lambda v: v >= 1)
+        _check_int("seed", self.seed, "any integer", lambda v: True)
+        _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
+        if not isinstance(self.budget, BudgetConfig):
+            object.__setattr__(self, "budget", _budget(self.budget))
+        if not isinstance(self.formats, tuple):
+            object.__setattr__(self, "formats", _formats(self.formats))
+
+
+def _plain(value):
+    """OmegaConf containers (what hydra gives) as plain dicts and lists."""
+    if hasattr(value, "_metadata") and hasattr(value, "items"):  # DictConfig
+        return {k: _plain(v) for k, v in value.items()}
+    if hasattr(value, "_metadata"):  # ListConfig
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _budget(value) -> BudgetConfig:
+    if isinstance(value, BudgetConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"hilore.budget: expected {{mode: ..., value: ...}} with mode one of {', '.join(MODES)}; "
+                         f"got {value!r}")
+    unknown = sorted(set(value) - {"mode", "value"})
+    if unknown:
+        raise ValueError(f"hilore.budget.{unknown[0]}: unknown key; valid keys: mode, value")
+    try:
+        return BudgetConfig(**value)
+    except ValueError as err:
+        raise ValueError(f"hilore.budget: {err}") from None
+
+
+def _formats(value) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value)
+    bad = [f for f in items if f not in FORMATS]
+    if bad:
+        raise ValueError(f"hilore.formats: unknown format {bad[0]!r}; valid: {', '.join(FORMATS)}")
+    return tuple(items)
+
+
+def _check_type(key, value, kind) -> None:
+    if not isinstance(value, kind):
+        raise ValueError(f"hilore.{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _check_number(key, value, valid, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"hilore.{key}: got {value!r}; valid: a number {valid}")
+
+
+def _check_int(key, value, valid, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise ValueError(f"hilore.{key}: got {value!r}; valid: an integer {valid}")
