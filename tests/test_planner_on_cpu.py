@@ -105,8 +105,8 @@ def test_budget_config_forms():
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48)
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def _tiny_probe():
+    """A tiny Qwen2 with the runtime, a probe step on one micro-batch, and its profiled costs."""
     model = build_tiny_model("qwen2", seed=0).train()
     rt = hilore_verl.attach(model)
     batch = make_grpo_batch(WORKLOAD, seed=0)
@@ -117,6 +117,11 @@ def tiny():
 
     tokens = batch["attention_mask"].numel()
     return model, rt, run, tokens, profile(rt, run, tokens, element_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _tiny_probe()
 
 
 def _flat_risk(units, grad_scale=1.0):
@@ -185,16 +190,8 @@ def test_more_budget_never_slower_and_oom_falls_back_to_recompute(tiny):
 
 
 def _plans_on_rank(rank, world_size):
-    model = build_tiny_model("qwen2", seed=0).train()
-    rt = hilore_verl.attach(model)
-    batch = make_grpo_batch(WORKLOAD, seed=0)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        response_log_probs(model, batch).sum().backward()
-
-    tokens = batch["attention_mask"].numel()
-    costs = _gpu_like(profile(rt, run, tokens, element_size=4))
+    _, rt, _, tokens, costs = _tiny_probe()
+    costs = _gpu_like(costs)
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
     local = [0.0, 0.5] if rank == 0 else [0.8, 0.0]  # different local data on each rank
     ctl.begin_mini_batch(local, [tokens - 7 * rank, tokens])

@@ -110,6 +110,17 @@ def _group_scale(x, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _pair_absmax(xe, xo):
+    """Per row of a tile read as even and odd columns: (all finite, absmax over the finite values)."""
+    fin_e = (xe == xe) & (tl.abs(xe) < float("inf"))
+    fin_o = (xo == xo) & (tl.abs(xo) < float("inf"))
+    finite = (tl.min(fin_e.to(tl.int32), axis=1) == 1) & (tl.min(fin_o.to(tl.int32), axis=1) == 1)
+    absmax = tl.maximum(tl.max(tl.where(fin_e, tl.abs(xe), 0.0), axis=1),
+                        tl.max(tl.where(fin_o, tl.abs(xo), 0.0), axis=1))
+    return finite, absmax
+
+
+@triton.jit
 def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, smix, GS: tl.constexpr, BLOCK_R: tl.constexpr,
                      FMT: tl.constexpr, KIND: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -123,11 +134,7 @@ def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, smix, GS: tl.constexpr, BLOC
         m2 = rmask[:, None]
         xe = _load_f32(X, offs, m2, KIND)
         xo = _load_f32(X, offs + 1, m2, KIND)
-        fin_e = (xe == xe) & (tl.abs(xe) < float("inf"))
-        fin_o = (xo == xo) & (tl.abs(xo) < float("inf"))
-        finite = (tl.min(fin_e.to(tl.int32), axis=1) == 1) & (tl.min(fin_o.to(tl.int32), axis=1) == 1)
-        absmax = tl.maximum(tl.max(tl.where(fin_e, tl.abs(xe), 0.0), axis=1),
-                            tl.max(tl.where(fin_o, tl.abs(xo), 0.0), axis=1))
+        finite, absmax = _pair_absmax(xe, xo)
         scale = tl.math.div_rn(absmax, QMAX)
         safe = tl.where(scale > 0.0, scale, 1.0)
         ye = tl.where(finite[:, None], tl.math.div_rn(xe, safe[:, None]), 0.0)

@@ -11,19 +11,27 @@ import triton
 import triton.language as tl
 
 from hilore_verl.kernels.rows import ROW_KEEP, RowQuantized, check_row_fmt, layout
-from hilore_verl.kernels.triton_codec import BLOCK_R, _as_kernel_view, _kind, _load_f32, _rne, _store_from_f32
+from hilore_verl.kernels.triton_codec import (BLOCK_R, _as_kernel_view, _kind, _load_f32, _pair_absmax, _rne,
+                                              _store_from_f32)
+
+
+@triton.jit
+def _row_header(FMT, INDEX, R, BLOCK_R: tl.constexpr):
+    """This program's rows, their mask, class, offset (keep row or code byte) and scale slot."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    cls = tl.load(FMT + rows, mask=rmask, other=-1).to(tl.int32)
+    offset = tl.load(INDEX + rows.to(tl.int64) * 2, mask=rmask, other=0)
+    slot = tl.load(INDEX + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0)
+    return rows, rmask, cls, offset, slot
 
 
 @triton.jit
 def _quantize_rows_kernel(X, FMT, INDEX, KEEP, CODES, SCALES, FLAGS, R, D, GS: tl.constexpr,
                           BLOCK_R: tl.constexpr, KIND: tl.constexpr):
     HALF: tl.constexpr = GS // 2
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows, rmask, cls, offset, slot = _row_header(FMT, INDEX, R, BLOCK_R)
     gi = tl.program_id(1)
-    rmask = rows < R
-    cls = tl.load(FMT + rows, mask=rmask, other=-1).to(tl.int32)
-    offset = tl.load(INDEX + rows.to(tl.int64) * 2, mask=rmask, other=0)
-    slot = tl.load(INDEX + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0)
     j = tl.arange(0, HALF)
     cols = gi * GS + 2 * j
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
@@ -36,11 +44,7 @@ def _quantize_rows_kernel(X, FMT, INDEX, KEEP, CODES, SCALES, FLAGS, R, D, GS: t
     # compressed rows
     xe = _load_f32(X, offs, m2, KIND)
     xo = _load_f32(X, offs + 1, m2, KIND)
-    fin_e = (xe == xe) & (tl.abs(xe) < float("inf"))
-    fin_o = (xo == xo) & (tl.abs(xo) < float("inf"))
-    finite = (tl.min(fin_e.to(tl.int32), axis=1) == 1) & (tl.min(fin_o.to(tl.int32), axis=1) == 1)
-    absmax = tl.maximum(tl.max(tl.where(fin_e, tl.abs(xe), 0.0), axis=1),
-                        tl.max(tl.where(fin_o, tl.abs(xo), 0.0), axis=1))
+    finite, absmax = _pair_absmax(xe, xo)
     qmax = tl.where(cls == 1, 127.0, 7.0)
     scale = tl.math.div_rn(absmax, qmax)
     safe = tl.where(scale > 0.0, scale, 1.0)
@@ -65,12 +69,8 @@ def _quantize_rows_kernel(X, FMT, INDEX, KEEP, CODES, SCALES, FLAGS, R, D, GS: t
 def _dequantize_rows_kernel(FMT, INDEX, KEEP, CODES, SCALES, OUT, R, D, GS: tl.constexpr, BLOCK_R: tl.constexpr,
                             KIND: tl.constexpr):
     HALF: tl.constexpr = GS // 2
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows, rmask, cls, offset, slot = _row_header(FMT, INDEX, R, BLOCK_R)
     gi = tl.program_id(1)
-    rmask = rows < R
-    cls = tl.load(FMT + rows, mask=rmask, other=-1).to(tl.int32)
-    offset = tl.load(INDEX + rows.to(tl.int64) * 2, mask=rmask, other=0)
-    slot = tl.load(INDEX + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0)
     j = tl.arange(0, HALF)
     cols = gi * GS + 2 * j
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
