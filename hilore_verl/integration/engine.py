@@ -40,10 +40,13 @@ def build_fsdp_engine(
     lr: float = 1e-6,
     clip_grad: float = 1.0,
     total_training_steps: int = 10,
+    engine_cls: type = FSDPEngineWithLMHead,
+    **engine_kwargs,
 ) -> FSDPEngineWithLMHead:
     """An initialised verl FSDP engine for a Hugging Face model directory (needs torch.distributed).
 
-    `mixed_precision=None` keeps verl's default (bf16 parameters, fp32 reduce).
+    `mixed_precision=None` keeps verl's default (bf16 parameters, fp32 reduce). `engine_cls`:
+    verl's engine or a subclass (HiLoReFSDPEngine, which takes `hilore=` and `actor_config=`).
     """
     model_config = HFModelConfig(
         path=model_path,
@@ -62,11 +65,12 @@ def build_fsdp_engine(
         use_torch_compile=False,
     )
     optimizer_config = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, total_training_steps=total_training_steps)
-    engine = FSDPEngineWithLMHead(
+    engine = engine_cls(
         model_config=model_config,
         engine_config=engine_config,
         optimizer_config=optimizer_config,
         checkpoint_config=CheckpointConfig(),
+        **engine_kwargs,
     )
     engine.initialize()
     return engine

@@ -71,10 +71,16 @@ class Controller:
     def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
         return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
 
+    def memory_budget_at(self, tokens: int) -> float:
+        """gc_ratio budgets follow the full-recompute peak of the micro-batch size; gib / auto are fixed."""
+        if self.budget.mode == "gc_ratio":
+            return self.budget.value * self.predicted_peak({u.name: "recompute" for u in self.costs.units}, tokens)
+        return self.memory_budget
+
     def activation_budget(self, tokens: int) -> float:
         k = self.costs.scale(tokens)
-        return (self.memory_budget * self.memory_factor - self.static_bytes - self.costs.unmanaged_bytes * k
-                - self.costs.transient(tokens))
+        return (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
+                - self.costs.unmanaged_bytes * k - self.costs.transient(tokens))
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int]) -> None:
@@ -107,12 +113,15 @@ class Controller:
         start = time.perf_counter()
         plan = self._cache.get(key)
         if plan is None:
-            plan = self._solve(l2, bucket, allowance)
-            self._cache[key] = plan
+            try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
+                plan = self._solve(l2, bucket, allowance)
+                self._cache[key] = plan
+            except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
+                plan = self._solve(l2, tokens, allowance)
         solve_ms = (time.perf_counter() - start) * 1e3
         self.runtime.set_plan(self.runtime_plan(plan))
         predicted_risk = self.risk.predict(plan, l2) if self.risk is not None else 0.0
-        self.history.append(PlanRecord(plan, self.predicted_peak(plan, bucket), predicted_risk, allowance, solve_ms))
+        self.history.append(PlanRecord(plan, self.predicted_peak(plan, tokens), predicted_risk, allowance, solve_ms))
         return plan
 
     def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
@@ -182,7 +191,7 @@ class Controller:
             counts[mode] = counts.get(mode, 0) + 1
         out = {f"hilore/plan/units_{m}": float(n) for m, n in counts.items()}
         out.update({"hilore/plan/predicted_peak_gib": last.predicted_peak / 2**30,
-                    "hilore/plan/budget_gib": self.memory_budget * self.memory_factor / 2**30,
+                    "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][1]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
                     "hilore/plan/solver_ms": last.solve_ms})
         if last.spent_risk is not None:

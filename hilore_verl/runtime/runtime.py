@@ -227,7 +227,7 @@ class Runtime:
             child_index = len(parent.children)
             parent.children.append(record)
         for path, t in tensor_leaves((args, kwargs)):
-            if t.dtype in FLOAT_DTYPES and not _is_parameter_like(t):
+            if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
                 self._register(t, parent.unit if parent else None, parent,
                                ("child_in", child_index, path) if parent else None)
         if self._plans[unit.index].mode == Mode.RECOMPUTE:
@@ -241,7 +241,7 @@ class Runtime:
         record = fwd.frames.pop()
         assert record.module is fn, "unbalanced unit frames"
         for path, t in tensor_leaves(output):
-            if t.dtype in FLOAT_DTYPES:
+            if t.dtype in FLOAT_DTYPES and not t.is_nested:
                 self._register(t, record.unit, record, ("out", path))
         parent = fwd.frames[-1] if fwd.frames else None
         if (parent is not None and self._plans[parent.unit.index].mode == Mode.RECOMPUTE

@@ -1,0 +1,197 @@
+"""verl's FSDP engine with HiLoRe: the runtime on the FSDP2 model and a plan per micro-batch.
+
+Overrides as little as possible of `FSDPEngineWithLMHead`:
+  - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
+    gradient checkpointing on the managed layers, and says so);
+  - `train_batch`: on the first call, profile the cost table and calibrate the risk model on one
+    probe micro-batch (identical on every rank: numbers are averaged over the data-parallel
+    group), then run verl's own train_batch and add `hilore/*` metrics;
+  - `forward_step`: before each training micro-batch, predict its loss coefficients at the
+    on-policy point, plan, run verl's step; record the risk spent from the exact coefficients;
+  - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+import hilore_verl
+from hilore_verl import exposure
+from hilore_verl.config import HiLoReConfig
+from hilore_verl.planner import Controller, profile
+from hilore_verl.risk import GradientAudit, RiskModel, calibrate
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.utils.padding import no_padding_2_padding
+
+logger = logging.getLogger("hilore_verl")
+
+
+def _padded(data, key):
+    value = data[key]
+    return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
+
+
+class HiLoReFSDPEngine(FSDPEngineWithLMHead):
+    def __init__(self, *args, hilore: HiLoReConfig | Mapping[str, Any] | None = None, actor_config=None, **kwargs):
+        self.hilore = hilore if isinstance(hilore, HiLoReConfig) else HiLoReConfig.from_dict(hilore)
+        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
+        model_config = kwargs.get("model_config", args[0] if args else None)
+        if engine_config is not None and engine_config.strategy != "fsdp2":
+            raise ValueError(f"hilore needs strategy=fsdp2; got strategy={engine_config.strategy}")
+        if model_config is not None and getattr(model_config, "enable_activation_offload", False):
+            raise ValueError("hilore and verl's enable_activation_offload manage the same activations: "
+                             "set actor_rollout_ref.model.enable_activation_offload=false")
+        super().__init__(*args, **kwargs)
+        self.actor_config = actor_config
+        self.runtime = None
+        self.controller: Controller | None = None
+        self._step = 0
+
+    # ------------------------------------------------------------------ set-up
+    def initialize(self):
+        super().initialize()
+        self.runtime = hilore_verl.attach(
+            self.module, hilore_verl.RuntimeConfig(min_bytes=self.hilore.min_bytes, seed=self.hilore.seed))
+
+    def _static_bytes(self) -> float:
+        """Parameter shards, their gradients and two fp32 Adam states per element, on this rank."""
+        total = 0.0
+        for p in self.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * (2 * local.element_size() + 8)
+        return total
+
+    def _probe(self, data, loss_function):
+        data = data.clone()
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        tokens = data["loss_mask"].sum().to(torch.float32)
+        if dist.is_initialized():
+            dist.all_reduce(tokens, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=int(tokens.item()), dp_size=self.get_data_parallel_size())
+        micro_batches, _ = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
+                                                 same_micro_num_in_dp=True)
+        return micro_batches
+
+    def _build_controller(self, data, loss_function) -> None:
+        micro_batches = self._probe(data, loss_function)
+        probe = micro_batches[0]
+        tokens = int(probe["input_ids"].values().numel())
+
+        def run(plan=None, batch=probe, loss=loss_function):
+            if plan is not None:
+                self.runtime.set_plan(plan)
+            self.optimizer.zero_grad()
+            value, _ = super(HiLoReFSDPEngine, self).forward_step(batch, loss, forward_only=False)
+            value.backward()
+
+        element = next(self.module.parameters()).element_size() if self._autocast_dtype == torch.float32 else 2
+        costs = profile(self.runtime, run, tokens, element_size=element, formats=self.hilore.formats,
+                        offload=self.hilore.offload, group_size=self.hilore.group_size)
+        risk = None
+        if self.hilore.risk_budget > 0 and self.actor_config is not None:
+            risk = RiskModel()
+            # calibrate on the surrogate sum_t c_t log p_t (the gradient the risk model describes),
+            # on the local micro-batch with the most exposure
+            exposures = [self._coefficients(mb) for mb in micro_batches]
+            best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
+            batch, c = micro_batches[best], exposures[best]
+
+            def surrogate(model_output, data, dp_group=None):
+                log_prob = no_padding_2_padding(model_output["log_probs"], data)
+                return (log_prob * c.to(log_prob.dtype)).sum(), {}
+
+            def grad_fn(plan):
+                run(plan, batch, surrogate)
+                return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten()
+                                  for p in self.module.parameters()])
+
+            calibrate(grad_fn, [u.name for u in self.runtime.units], float(c.pow(2).sum().sqrt()),
+                      fmts=self.hilore.formats[:1], group_size=self.hilore.group_size, model=risk)
+        self._average_over_ranks(costs, risk)
+        self.optimizer.zero_grad()
+        self.runtime.set_plan({})
+        audit = (GradientAudit(risk, risk_budget=self.hilore.risk_budget, every=self.hilore.audit_every,
+                               tolerance=self.hilore.audit_tolerance)
+                 if risk is not None and self.hilore.audit_every > 0 else None)
+        self.controller = Controller(self.runtime, costs, risk, self.hilore.budget, static_bytes=self._static_bytes(),
+                                     risk_budget=self.hilore.risk_budget, group=self.get_data_parallel_group(),
+                                     token_bucket=self.hilore.token_bucket, audit=audit)
+        logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB) with %d units",
+                       self.controller.memory_budget / 2**30, self.controller.gc_peak / 2**30, len(costs.units))
+
+    def _average_over_ranks(self, costs, risk) -> None:
+        """Every rank must plan from the same numbers: average the measured ones (a fixed-length
+        vector on every rank; a sensitivity only where some rank measured it)."""
+        if not dist.is_initialized():
+            return
+        names = [u.name for u in costs.units]
+        values = [x for u in costs.units for x in (u.saved_bytes, u.held_bytes, u.forward_s, u.compressible)]
+        values += [costs.unmanaged_bytes, costs.codec_bytes_per_s, costs.host_bytes_per_s, float(costs.tokens)]
+        if risk is not None:
+            for n in names:  # (sum of log sensitivity, how many ranks measured it)
+                measured = n in risk.sensitivity
+                values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
+            values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.get_data_parallel_group())
+        world = self.get_data_parallel_size()
+        it = iter(t.tolist())
+        for u in costs.units:
+            u.saved_bytes, u.held_bytes, u.forward_s, u.compressible = (next(it) / world for _ in range(4))
+        costs.unmanaged_bytes, costs.codec_bytes_per_s, costs.host_bytes_per_s = (next(it) / world for _ in range(3))
+        costs.tokens = int(round(next(it) / world))
+        if risk is not None:
+            risk.sensitivity.clear()
+            for n in names:
+                total, count = next(it), next(it)
+                if count:
+                    risk.sensitivity[n] = math.exp(total / count)
+            total, count = next(it), next(it)
+            risk.grad_scale = total / count if count else None
+
+    # ------------------------------------------------------------------ per step
+    def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
+        """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it."""
+        mask = _padded(micro_batch, "response_mask")
+        old = _padded(micro_batch, "old_log_probs")
+        return exposure.loss_coefficients(old if log_prob is None else log_prob, old,
+                                          _padded(micro_batch, "advantages"), mask, self.actor_config)
+
+    def _exposure_l2(self, micro_batch, log_prob=None) -> float:
+        if self.actor_config is None:
+            return 1.0
+        return float(self._coefficients(micro_batch, log_prob).pow(2).sum().sqrt())
+
+    def train_batch(self, data, loss_function):
+        if self.controller is None:
+            self._build_controller(data, loss_function)
+        self._step += 1
+        out = super().train_batch(data, loss_function)
+        if self.is_mp_src_rank_with_outputs():
+            out["metrics"].update(self.controller.metrics())
+        return out
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        if forward_only or self.controller is None:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        tokens = int(micro_batch["input_ids"].values().numel())
+        self.controller.begin_mini_batch([self._exposure_l2(micro_batch)], [tokens])
+        self.controller.plan_micro_batch(0)
+        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+        if self.actor_config is not None:
+            log_prob = no_padding_2_padding(output["model_output"]["log_probs"], micro_batch)
+            self.controller.after_forward(0, self._exposure_l2(micro_batch, log_prob.detach()))
+        return loss, output
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        parent = super().prepare_model_outputs
+        if self.runtime is None or not torch.is_grad_enabled():
+            return parent(output, output_args, micro_batch, logits_processor_func)
+        return self.runtime.call("head", parent, output, output_args, micro_batch, logits_processor_func)
