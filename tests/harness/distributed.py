@@ -4,7 +4,7 @@
 
 `fn` must be importable (a module-level function). Each rank runs in a spawned process with
 one OpenMP thread, with torch.distributed initialised (gloo) before `fn` and torn down after.
-An exception on any rank fails the call with that rank's traceback.
+An exception in `fn` on any rank fails the call with `RankFailed` carrying that rank's traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -34,11 +35,21 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        result = fn(rank, world_size, *args)
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException:
+            # the root cause: written before the other ranks notice (they then fail in a collective)
+            with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """`fn` raised on a rank; the message holds that rank's traceback."""
 
 
 def run_on_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout_s: float = 600) -> list[Any]:
@@ -50,11 +61,19 @@ def run_on_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout_s:
             ctx = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), out_dir, args),
                                      nprocs=world_size, join=False, start_method="spawn")
             deadline = time.monotonic() + timeout_s
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # raises if a rank failed
-                if time.monotonic() >= deadline:
-                    for process in ctx.processes:
-                        process.kill()
-                    raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s} s")
+            try:
+                while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # raises if a rank failed
+                    if time.monotonic() >= deadline:
+                        for process in ctx.processes:
+                            process.kill()
+                        raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s} s")
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+                for r in range(world_size):  # report the rank whose fn raised, not one that lost its peer
+                    path = os.path.join(out_dir, f"rank{r}.error")
+                    if os.path.exists(path):
+                        with open(path) as f:
+                            raise RankFailed(f"{fn.__name__} failed on rank {r}:\n{f.read()}") from err
+                raise
             return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
         if env_before is None:
