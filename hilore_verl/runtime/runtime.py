@@ -313,8 +313,11 @@ class Runtime:
         if frame is not None:
             own_index = frame.own_count
             frame.own_count += 1
-        if t.is_nested or not self._managed(t):
-            fwd.stats.add_unmanaged(t, _is_parameter_like(t) if not t.is_nested else False)
+        if t.is_nested:
+            return t
+        parameter = _is_parameter_like(t)
+        if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
+            fwd.stats.add_unmanaged(t, parameter)
             return t
         entry = self._lookup(t)
         if entry is not None:
