@@ -15,9 +15,25 @@ from tests.harness.distributed import run_on_ranks
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)
 
 
+def _gpu_like_profile(real_profile):
+    """On CPU the torch reference codec is slower than recomputing these tiny units, so the planner
+    rightly recomputes; give the measured table a GPU's proportions so that compression is worth it."""
+    import dataclasses
+
+    def profile(*args, **kwargs):
+        costs = dataclasses.replace(real_profile(*args, **kwargs), codec_bytes_per_s=1e12)
+        costs.units = [dataclasses.replace(u, forward_s=1e-3) for u in costs.units]
+        return costs
+
+    return profile
+
+
 def _compare(rank, world_size, model_dir, batch, risk_budget):
+    import hilore_verl.integration.hilore_engine as hilore_engine
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
 
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
