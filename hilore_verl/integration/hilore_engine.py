@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any, Mapping
 
 import torch
@@ -52,6 +53,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.actor_config = actor_config
         self.runtime = None
         self.controller: Controller | None = None
+        self._restored: dict | None = None
         self._step = 0
 
     # ------------------------------------------------------------------ set-up
@@ -79,7 +81,21 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                                  same_micro_num_in_dp=True)
         return micro_batches
 
+    def _make_controller(self, costs, risk) -> Controller:
+        audit = (GradientAudit(risk, risk_budget=self.hilore.risk_budget, every=self.hilore.audit_every,
+                               tolerance=self.hilore.audit_tolerance)
+                 if risk is not None and self.hilore.audit_every > 0 else None)
+        return Controller(self.runtime, costs, risk, self.hilore.budget, static_bytes=self._static_bytes(),
+                          risk_budget=self.hilore.risk_budget, group=self.get_data_parallel_group(),
+                          token_bucket=self.hilore.token_bucket, audit=audit)
+
     def _build_controller(self, data, loss_function) -> None:
+        if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
+            state, self._restored = self._restored, None
+            self.controller = self._make_controller(Controller.costs_from_state(state),
+                                                    Controller.risk_from_state(state))
+            self.controller.load_state_dict(state)
+            return
         micro_batches = self._probe(data, loss_function)
         probe = micro_batches[0]
         tokens = int(probe["input_ids"].values().numel())
@@ -117,12 +133,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._average_over_ranks(costs, risk)
         self.optimizer.zero_grad()
         self.runtime.set_plan({})
-        audit = (GradientAudit(risk, risk_budget=self.hilore.risk_budget, every=self.hilore.audit_every,
-                               tolerance=self.hilore.audit_tolerance)
-                 if risk is not None and self.hilore.audit_every > 0 else None)
-        self.controller = Controller(self.runtime, costs, risk, self.hilore.budget, static_bytes=self._static_bytes(),
-                                     risk_budget=self.hilore.risk_budget, group=self.get_data_parallel_group(),
-                                     token_bucket=self.hilore.token_bucket, audit=audit)
+        self.controller = self._make_controller(costs, risk)
         logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB) with %d units",
                        self.controller.memory_budget / 2**30, self.controller.gc_peak / 2**30, len(costs.units))
 
@@ -155,6 +166,25 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                     risk.sensitivity[n] = math.exp(total / count)
             total, count = next(it), next(it)
             risk.grad_scale = total / count if count else None
+
+    # ------------------------------------------------------------------ checkpoints
+    STATE_FILE = "hilore_controller.pt"
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
+        if self.controller is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            os.makedirs(local_path, exist_ok=True)  # every rank holds the same state: rank 0 writes it
+            torch.save(self.controller.state_dict(), os.path.join(local_path, self.STATE_FILE))
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        path = os.path.join(local_path, self.STATE_FILE)
+        state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
+        if state is not None:
+            self._restored, self.controller = state, None
+        else:
+            logger.warning("hilore-verl: %s has no controller state; the first step profiles and calibrates again",
+                           local_path)
 
     # ------------------------------------------------------------------ per step
     def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:

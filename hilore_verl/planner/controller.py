@@ -18,6 +18,7 @@ compresses; a high-exposure one must keep or recompute more.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hilore_verl.planner.budget import BudgetConfig
-from hilore_verl.planner.costs import CostTable
+from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.planner.solver import Infeasible, solve
 from hilore_verl.risk import GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
@@ -179,6 +180,36 @@ class Controller:
         plan = {u.name: "recompute" for u in self.costs.units}
         self.runtime.set_plan(self.runtime_plan(plan))
         return plan
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue calibrated: costs, risk model, budgets, audit state."""
+        return {"costs": dataclasses.asdict(self.costs), "risk": self.risk.state_dict() if self.risk else None,
+                "risk_budget": self.risk_budget, "memory_factor": self.memory_factor,
+                "audit_budget": self.audit.risk_budget if self.audit is not None else None}
+
+    @staticmethod
+    def costs_from_state(state: dict) -> CostTable:
+        fields = dict(state["costs"])
+        fields["units"] = [UnitProfile(**u) for u in fields["units"]]
+        fields["formats"] = tuple(fields["formats"])
+        return CostTable(**fields)
+
+    @staticmethod
+    def risk_from_state(state: dict) -> RiskModel | None:
+        if state["risk"] is None:
+            return None
+        risk = RiskModel()
+        risk.load_state_dict(state["risk"])
+        return risk
+
+    def load_state_dict(self, state: dict) -> None:
+        """Budgets and audit state (costs and risk model are passed to the constructor)."""
+        self.risk_budget = state["risk_budget"]
+        self.memory_factor = state["memory_factor"]
+        if self.audit is not None and state["audit_budget"] is not None:
+            self.audit.risk_budget = state["audit_budget"]
+        self._cache.clear()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
