@@ -45,6 +45,8 @@ class HiLoReConfig:
     """Plans are cached per bucket of tokens per micro-batch."""
     seed: int = 0
     """Seed of stochastic rounding."""
+    oom_retries: int = 1
+    """Times a mini-batch that ran out of device memory is retried with every unit recomputed."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "HiLoReConfig":
@@ -72,6 +74,7 @@ class HiLoReConfig:
         _check_int("audit_every", self.audit_every, ">= 0", lambda v: v >= 0)
         _check_int("token_bucket", self.token_bucket, ">= 1", lambda v: v >= 1)
         _check_int("seed", self.seed, "any integer", lambda v: True)
+        _check_int("oom_retries", self.oom_retries, ">= 0", lambda v: v >= 0)
         _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
         if not isinstance(self.budget, BudgetConfig):
             object.__setattr__(self, "budget", _budget(self.budget))

@@ -171,11 +171,19 @@ class GradientAudit:
         return step % self.every == 0
 
     def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike,
-            exposure_l2: float) -> AuditResult:
+            exposure_l2: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult:
+        """`exact`, `approx`: flat gradients (or this rank's shards of them, with `reduce` summing
+        a float64 vector in place over the ranks that hold the other shards)."""
         exact, approx = exact.double(), approx.double()
-        measured = float((approx - exact).norm())
-        rel = measured / max(float(exact.norm()), 1e-30)
-        cosine = float(torch.dot(exact, approx) / (exact.norm() * approx.norm()).clamp_min(1e-30))
+        # sums over the gradient: |a - e|^2, |e|^2, |a|^2, e.a
+        sums = torch.stack([(approx - exact).pow(2).sum(), exact.pow(2).sum(), approx.pow(2).sum(),
+                            torch.dot(exact, approx)])
+        if reduce is not None:
+            reduce(sums)
+        diff2, exact2, approx2, dot = sums.tolist()
+        measured = math.sqrt(diff2)
+        rel = measured / max(math.sqrt(exact2), 1e-30)
+        cosine = dot / max(math.sqrt(exact2 * approx2), 1e-30)
         predicted = self.risk.predict(plans, exposure_l2)
         lossy = [u for u, p in plans.items() if _lossy(p) is not None]
         ratio = measured / predicted if predicted > 0 else (math.inf if measured > 0 else 1.0)

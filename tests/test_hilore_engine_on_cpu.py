@@ -118,3 +118,53 @@ def test_checkpoint_keeps_the_controller_state(tmp_path):
     batch = make_grpo_batch(WORKLOAD, seed=3)
     for r in run_on_ranks(_save_and_resume, 2, args=(model_dir, batch, str(tmp_path / "ckpt"))):
         assert r == {"profiles": 1, "same_plan": True, "same_risk": True, "same_costs": True}, r
+
+
+def _audit_and_oom(rank, world_size, model_dir, batch):
+    import hilore_verl.integration.hilore_engine as hilore_engine
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)  # no actor_config passed: the engine takes it from the bound loss
+
+    def step(engine):
+        td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+        with engine.train_mode():
+            out = engine.train_batch(td, loss_function=loss_fn)
+            grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
+        return out, grads
+
+    stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
+    _, exact = step(stock)
+    engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
+                               engine_cls=HiLoReFSDPEngine,
+                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
+    out1, _ = step(engine)  # audited step
+    plan_micro_batch, calls = engine.controller.plan_micro_batch, []
+
+    def out_of_memory_once(index):
+        calls.append(index)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return plan_micro_batch(index)
+
+    engine.controller.plan_micro_batch = out_of_memory_once
+    engine.controller.audit.every = 1000  # no audit in the step that runs out of memory
+    factor = engine.controller.memory_factor
+    out2, grads = step(engine)
+    return {"audit": {k: v for k, v in out1["metrics"].items() if k.startswith("hilore/audit")},
+            "retries": out2["metrics"]["hilore/oom_retries"], "factor": engine.controller.memory_factor / factor,
+            "bitwise_after_retry": all(torch.equal(grads[n], g) for n, g in exact.items())}
+
+
+def test_audit_metrics_and_oom_retry(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    ranks = run_on_ranks(_audit_and_oom, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3)))
+    assert ranks[0]["audit"] == ranks[1]["audit"]  # the audit reduces over ranks: one result everywhere
+    audit = ranks[0]["audit"]
+    assert audit["hilore/audit/rel_error"][0] <= 0.5 and audit["hilore/audit/cosine"][0] >= 0.99, audit  # risk budget 0.5
+    for r in ranks:
+        assert r["retries"] == [1.0] and r["factor"] == pytest.approx(0.9)
+        assert r["bitwise_after_retry"]  # the retry recomputes every unit: exact

@@ -1,14 +1,18 @@
 """verl's FSDP engine with HiLoRe: the runtime on the FSDP2 model and a plan per micro-batch.
 
-Overrides as little as possible of `FSDPEngineWithLMHead`:
+Registered in verl's EngineRegistry under the backend `BACKEND` (see actor_config.py for how a
+recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
     gradient checkpointing on the managed layers, and says so);
   - `train_batch`: on the first call, profile the cost table and calibrate the risk model on one
     probe micro-batch (identical on every rank: numbers are averaged over the data-parallel
-    group), then run verl's own train_batch and add `hilore/*` metrics;
-  - `forward_step`: before each training micro-batch, predict its loss coefficients at the
-    on-policy point, plan, run verl's step; record the risk spent from the exact coefficients;
-  - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit.
+    group); then, once per mini-batch, hand the controller the predicted exposure of every
+    micro-batch, audit every `audit_every` steps, run verl's own train_batch (retrying with every
+    unit recomputed after an out-of-memory error) and add `hilore/*` metrics;
+  - `forward_step`: before each training micro-batch, apply its plan; after its forward and
+    before its backward, record the risk spent from the exact coefficients;
+  - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit;
+  - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import torch.distributed as dist
 import hilore_verl
 from hilore_verl import exposure
 from hilore_verl.config import HiLoReConfig
+from hilore_verl.integration.actor_config import BACKEND
 from hilore_verl.planner import Controller, profile
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_torch_device
+from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import prepare_micro_batches
 from verl.workers.utils.padding import no_padding_2_padding
@@ -39,22 +46,32 @@ def _padded(data, key):
     return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
 
 
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
 class HiLoReFSDPEngine(FSDPEngineWithLMHead):
-    def __init__(self, *args, hilore: HiLoReConfig | Mapping[str, Any] | None = None, actor_config=None, **kwargs):
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, *,
+                 hilore: HiLoReConfig | Mapping[str, Any] | None = None, actor_config=None):
+        """`hilore`: the section (default: the one on a HiLoReEngineConfig); `actor_config`: verl's actor
+        config for loss coefficients (default: taken from the bound ppo_loss at the first train_batch)."""
+        if hilore is None:
+            hilore = getattr(engine_config, "hilore", None)
         self.hilore = hilore if isinstance(hilore, HiLoReConfig) else HiLoReConfig.from_dict(hilore)
-        engine_config = kwargs.get("engine_config", args[1] if len(args) > 1 else None)
-        model_config = kwargs.get("model_config", args[0] if args else None)
-        if engine_config is not None and engine_config.strategy != "fsdp2":
+        if not self.hilore.enable:
+            raise ValueError("HiLoReFSDPEngine needs hilore.enable=true; with it off verl's own engine is used")
+        if engine_config.strategy == BACKEND:
+            engine_config = engine_config.as_fsdp2()  # a copy: verl's FSDP build code expects "fsdp2"
+        if engine_config.strategy != "fsdp2":
             raise ValueError(f"hilore needs strategy=fsdp2; got strategy={engine_config.strategy}")
-        if model_config is not None and getattr(model_config, "enable_activation_offload", False):
+        if getattr(model_config, "enable_activation_offload", False):
             raise ValueError("hilore and verl's enable_activation_offload manage the same activations: "
                              "set actor_rollout_ref.model.enable_activation_offload=false")
-        super().__init__(*args, **kwargs)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self.actor_config = actor_config
         self.runtime = None
         self.controller: Controller | None = None
         self._restored: dict | None = None
         self._step = 0
+        self._micro_index = 0
+        self._fallback: dict | None = None  # the all-recompute plan while retrying after an OOM
 
     # ------------------------------------------------------------------ set-up
     def initialize(self):
@@ -70,7 +87,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             total += local.numel() * (2 * local.element_size() + 8)
         return total
 
-    def _probe(self, data, loss_function):
+    def _micro_batches(self, data):
+        """The local micro-batches of a mini-batch, split exactly as verl's forward_backward_batch splits them."""
         data = data.clone()
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         tokens = data["loss_mask"].sum().to(torch.float32)
@@ -81,6 +99,28 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                                  same_micro_num_in_dp=True)
         return micro_batches
 
+    def _run(self, plan, batch, loss_function) -> None:
+        """Forward + backward of one micro-batch under `plan` (None: the runtime's current plan);
+        grads are left in .grad, no optimizer step."""
+        if plan is not None:
+            self.runtime.set_plan(plan)
+        self.optimizer.zero_grad()
+        value, _ = super().forward_step(batch, loss_function, forward_only=False)
+        value.backward()
+
+    def _surrogate_gradient(self, plan, batch, c: torch.Tensor) -> torch.Tensor:
+        """This rank's gradient shard of sum_t c_t log p_t (the gradient the risk model describes) under
+        `plan`; units the plan does not name are recomputed (exact, and the least memory)."""
+        def surrogate(model_output, data, dp_group=None):
+            log_prob = no_padding_2_padding(model_output["log_probs"], data)
+            return (log_prob * c.to(log_prob.dtype)).sum(), {}
+
+        full = {u.name: "recompute" for u in self.runtime.units}
+        full.update(plan)
+        self._run(full, batch, surrogate)
+        return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten()
+                          for p in self.module.parameters()])
+
     def _make_controller(self, costs, risk) -> Controller:
         audit = (GradientAudit(risk, risk_budget=self.hilore.risk_budget, every=self.hilore.audit_every,
                                tolerance=self.hilore.audit_tolerance)
@@ -89,47 +129,31 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                           risk_budget=self.hilore.risk_budget, group=self.get_data_parallel_group(),
                           token_bucket=self.hilore.token_bucket, audit=audit)
 
-    def _build_controller(self, data, loss_function) -> None:
+    def _build_controller(self, micro_batches, loss_function) -> None:
         if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
             state, self._restored = self._restored, None
             self.controller = self._make_controller(Controller.costs_from_state(state),
                                                     Controller.risk_from_state(state))
             self.controller.load_state_dict(state)
             return
-        micro_batches = self._probe(data, loss_function)
         probe = micro_batches[0]
         tokens = int(probe["input_ids"].values().numel())
 
-        def run(plan=None, batch=probe, loss=loss_function):
-            if plan is not None:
-                self.runtime.set_plan(plan)
-            self.optimizer.zero_grad()
-            value, _ = super(HiLoReFSDPEngine, self).forward_step(batch, loss, forward_only=False)
-            value.backward()
+        def run(plan=None):
+            self._run(plan, probe, loss_function)
 
         element = next(self.module.parameters()).element_size() if self._autocast_dtype == torch.float32 else 2
         costs = profile(self.runtime, run, tokens, element_size=element, formats=self.hilore.formats,
                         offload=self.hilore.offload, group_size=self.hilore.group_size)
         risk = None
         if self.hilore.risk_budget > 0 and self.actor_config is not None:
-            risk = RiskModel()
-            # calibrate on the surrogate sum_t c_t log p_t (the gradient the risk model describes),
-            # on the local micro-batch with the most exposure
+            # calibrate on the local micro-batch with the most exposure
             exposures = [self._coefficients(mb) for mb in micro_batches]
             best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
             batch, c = micro_batches[best], exposures[best]
-
-            def surrogate(model_output, data, dp_group=None):
-                log_prob = no_padding_2_padding(model_output["log_probs"], data)
-                return (log_prob * c.to(log_prob.dtype)).sum(), {}
-
-            def grad_fn(plan):
-                run(plan, batch, surrogate)
-                return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten()
-                                  for p in self.module.parameters()])
-
-            calibrate(grad_fn, [u.name for u in self.runtime.units], float(c.pow(2).sum().sqrt()),
-                      fmts=self.hilore.formats[:1], group_size=self.hilore.group_size, model=risk)
+            risk = calibrate(lambda plan: self._surrogate_gradient(plan, batch, c),
+                             [u.name for u in self.runtime.units], float(c.pow(2).sum().sqrt()),
+                             fmts=self.hilore.formats[:1], group_size=self.hilore.group_size, model=RiskModel())
         self._average_over_ranks(costs, risk)
         self.optimizer.zero_grad()
         self.runtime.set_plan({})
@@ -191,8 +215,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it."""
         mask = _padded(micro_batch, "response_mask")
         old = _padded(micro_batch, "old_log_probs")
+        optional = {k: _padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
         return exposure.loss_coefficients(old if log_prob is None else log_prob, old,
-                                          _padded(micro_batch, "advantages"), mask, self.actor_config)
+                                          _padded(micro_batch, "advantages"), mask, self.actor_config, **optional)
 
     def _exposure_l2(self, micro_batch, log_prob=None) -> float:
         if self.actor_config is None:
@@ -200,24 +225,68 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return float(self._coefficients(micro_batch, log_prob).pow(2).sum().sqrt())
 
     def train_batch(self, data, loss_function):
+        if self.actor_config is None:  # the actor worker binds ppo_loss to the actor config
+            self.actor_config = getattr(loss_function, "keywords", {}).get("config")
+        micro_batches = self._micro_batches(data)
         if self.controller is None:
-            self._build_controller(data, loss_function)
+            self._build_controller(micro_batches, loss_function)
         self._step += 1
-        out = super().train_batch(data, loss_function)
+        # once per mini-batch: predicted exposure (on-policy point) and tokens of every micro-batch
+        self.controller.begin_mini_batch([self._exposure_l2(mb) for mb in micro_batches],
+                                         [int(mb["input_ids"].values().numel()) for mb in micro_batches])
+        audit = None
+        if self.controller.audit_due(self._step) and self.actor_config is not None:
+            audit = self._audit(micro_batches[0])
+        out, retries = self._train_with_retries(data, loss_function)
         if self.is_mp_src_rank_with_outputs():
-            out["metrics"].update(self.controller.metrics())
+            metrics = self.controller.metrics()
+            metrics["hilore/oom_retries"] = float(retries)
+            if audit is not None:
+                metrics.update(audit.metrics())
+            # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
+            out["metrics"].update({k: [v] for k, v in metrics.items()})
         return out
+
+    def _train_with_retries(self, data, loss_function):
+        """verl's train_batch; out of device memory: retry with every unit recomputed, plan tighter after.
+        (All ranks run the same plan, so they run out of memory at the same micro-batch or none does.)"""
+        retries = 0
+        try:
+            while True:
+                self._micro_index = 0
+                try:
+                    return super().train_batch(data, loss_function), retries
+                except torch.OutOfMemoryError:
+                    if retries >= self.hilore.oom_retries:
+                        raise
+                    retries += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    get_torch_device().empty_cache()
+                    self._fallback = self.controller.on_oom()
+                    logger.warning("hilore-verl: out of memory at step %d; retry %d/%d with every unit recomputed, "
+                                   "planning 10%% tighter from now on", self._step, retries, self.hilore.oom_retries)
+        finally:
+            self._fallback = None
+
+    def _audit(self, micro_batch):
+        """Exact vs planned gradient of one micro-batch (2 extra forward + backward passes)."""
+        c = self._coefficients(micro_batch)
+        plan = self.controller.plan_micro_batch(0)
+        approx = self._surrogate_gradient(self.controller.runtime_plan(plan), micro_batch, c)
+        exact = self._surrogate_gradient({}, micro_batch, c)
+        self.optimizer.zero_grad()
+        return self.controller.record_audit(self._step, exact, approx, self.controller.exposure_l2(0))
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         if forward_only or self.controller is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
-        tokens = int(micro_batch["input_ids"].values().numel())
-        self.controller.begin_mini_batch([self._exposure_l2(micro_batch)], [tokens])
-        self.controller.plan_micro_batch(0)
+        index, self._micro_index = self._micro_index, self._micro_index + 1
+        if self._fallback is None:
+            self.controller.plan_micro_batch(index)
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
-        if self.actor_config is not None:
+        if self.actor_config is not None and self._fallback is None:
             log_prob = no_padding_2_padding(output["model_output"]["log_probs"], micro_batch)
-            self.controller.after_forward(0, self._exposure_l2(micro_batch, log_prob.detach()))
+            self.controller.after_forward(index, self._exposure_l2(micro_batch, log_prob.detach()))
         return loss, output
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):

@@ -104,6 +104,10 @@ class Controller:
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * float(e2.sum()) / n
         self._micro = [(math.sqrt(float(a)), int(t)) for a, t in zip(e2, tok)]
 
+    def exposure_l2(self, index: int) -> float:
+        """Global (all-reduced) exposure of micro-batch `index` of this mini-batch."""
+        return self._micro[index][0]
+
     def plan_micro_batch(self, index: int) -> dict[str, str]:
         """Solve (or reuse) the plan for one local micro-batch and hand it to the runtime."""
         l2, tokens = self._micro[index]  # global figures: the same on every rank
@@ -168,7 +172,10 @@ class Controller:
     def record_audit(self, step: int, exact: torch.Tensor, approx: torch.Tensor, exposure_l2: float):
         """Feed an audit (exact vs approximate gradient of a sampled micro-batch under the last plan);
         the audit re-scales sensitivities and may tighten the risk budget, which the next plans use."""
-        result = self.audit.run(step, exact, approx, self.history[-1].plan, exposure_l2)
+        reduce = None
+        if dist.is_available() and dist.is_initialized():  # shards: every rank must see the same result
+            reduce = lambda t: dist.all_reduce(t, group=self.group)  # noqa: E731
+        result = self.audit.run(step, exact, approx, self.history[-1].plan, exposure_l2, reduce=reduce)
         self.risk_budget = result.risk_budget
         self._cache.clear()
         return result
