@@ -52,17 +52,32 @@ class Replay:
     def post(self) -> None:
         self.frames.pop()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> "_NotForBackward":
+        """Capture a save of the re-run. The re-run's own graph is never differentiated (its outputs
+        are detached), so its nodes get a placeholder: holding `t` there would tie an output to its
+        own grad_fn through C++ (a cycle Python's collector cannot see) and leak every re-run."""
         if len(self.frames) == 1:  # the target's own code: the n-th save, as in forward
             self.own[self.own_count] = t.detach() if t.requires_grad else t
             self.own_count += 1
-        return t
+        return _NOT_FOR_BACKWARD
 
     def replayed_output(self, module) -> Any:
         """The held output to return instead of running `module`, or None to run it."""
         if self.frames and self.frames[-1][0] is module and self.frames[-1][1] is not None:
             return materialize(self.frames[-1][1])
         return None
+
+
+class _NotForBackward:
+    """What a re-run's graph holds instead of its saved tensors."""
+
+    __slots__ = ()
+
+    def get(self):
+        raise RuntimeError("hilore-verl: a recompute's internal graph was differentiated; it is not meant to be")
+
+
+_NOT_FOR_BACKWARD = _NotForBackward()
 
 
 def rerun(record: CallRecord, replay: Replay, pack: Callable, unpack: Callable) -> dict:
