@@ -5,7 +5,7 @@ CONSTRAINTS ?= constraints/cpu.txt
 PY  := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install test doctor clean
+.PHONY: install test doctor demo clean
 
 # .venv/.installed is rewritten whenever the package's install inputs change.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
@@ -23,6 +23,9 @@ test: $(VENV)/.installed
 
 doctor: $(VENV)/.installed
 	$(VENV)/bin/hilore-verl doctor
+
+demo: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(VENV)/bin/hilore-verl demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

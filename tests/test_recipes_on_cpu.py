@@ -149,3 +149,19 @@ def _initial(model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_command_line_form_over_stock_ppo_trainer():
+    """The README's form for a user's own recipe: three overrides on verl's stock ppo_trainer."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    config_dir = str(Path(__import__("verl").__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = hydra_compose("ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.strategy=fsdp2",
+            "actor_rollout_ref.actor._target_=hilore_verl.integration.HiLoReActorConfig",
+            "+actor_rollout_ref.actor.hilore.enable=true", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    assert engine_cls(actor(cfg)) is HiLoReFSDPEngine
