@@ -36,6 +36,63 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from hilore_verl.planner.whatif import parse_budget, what_if
+    from hilore_verl.presets import load_config
+
+    try:
+        budget = parse_budget(args.budget)
+        config = load_config(args.model)
+        result = what_if(config, args.model, args.micro_batch_tokens, args.seq_len or args.micro_batch_tokens,
+                         args.gpus, args.gpu_mem_gib, budget)
+    except ValueError as err:
+        print(f"hilore-verl plan: {err}", file=sys.stderr)
+        return 2
+    print(result.table())
+    if args.json:
+        from dataclasses import asdict
+
+        with open(args.json, "w") as f:
+            json.dump({**asdict(result), "saved_vs_gc": result.saved_vs_gc}, f, indent=1)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hilore_verl.bench import METHODS, BenchConfig
+    from hilore_verl.bench.run import plot, run_bench, save_json, table
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    bad = [m for m in methods if m not in METHODS] or ([] if methods else ["(none)"])
+    if bad:
+        print(f"hilore-verl bench: unknown method {bad[0]!r}; valid: {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("hilore-verl bench: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+    config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
+                         num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
+                         rounds=args.rounds)
+    print(f"hilore-verl bench: {', '.join(methods)}; Qwen2-shaped model hidden {config.hidden_size}, "
+          f"{config.num_layers} layers, vocabulary {config.vocab_size}; {config.num_groups} x {config.group_size} "
+          f"responses up to {config.max_response_len} tokens", flush=True)
+    report = run_bench(config, methods, sweep=not args.no_sweep, peaks=not args.no_peaks,
+                       risk_budget=args.risk_budget)
+    print(table(report))
+    if args.json:
+        save_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [m for m, v in report["methods"].items() if v["status"] == "failed"]
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hilore-verl", description="HiLoRe activation memory manager for verl.")
     from hilore_verl import __version__
@@ -50,6 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", metavar="PATH", help="also write the per-step records as JSON")
     demo.set_defaults(func=_demo)
+    plan = sub.add_parser("plan", help="the per-unit plan for a model on a GPU, from its config alone (no GPU)")
+    plan.add_argument("--model", required=True,
+                      help="a preset (e.g. qwen2.5-7b, llama-3-8b; see docs/config.md) or a HF model directory")
+    plan.add_argument("--gpu-mem-gib", type=float, default=80.0, help="device memory per GPU (default 80)")
+    plan.add_argument("--micro-batch-tokens", type=_positive, default=16384, help="tokens per micro-batch (default 16384)")
+    plan.add_argument("--seq-len", type=_positive, default=None, help="typical sequence length (default: the micro-batch)")
+    plan.add_argument("--gpus", type=_positive, default=8, help="FSDP ranks sharding the model (default 8)")
+    plan.add_argument("--budget", default="gc_ratio:1.10", help="gc_ratio:X, gib:X or auto[:headroom GiB] (default gc_ratio:1.10)")
+    plan.add_argument("--json", metavar="PATH", help="also write the plan and the figures as JSON")
+    plan.set_defaults(func=_plan)
+    bench = sub.add_parser("bench", help="HiLoRe against GC, offload, boundary compression and a keep/recompute "
+                                         "planner on one GRPO actor update, side by side")
+    bench.add_argument("--methods", default="no_gc,gc,verl_offload,hidden_offload,int8_boundary,fp8_boundary,"
+                       "keep_recompute,hilore", help="comma-separated methods (default: all)")
+    bench.add_argument("--rounds", type=_positive, default=2, help="timed steps per method, round-robin (default 2)")
+    bench.add_argument("--hidden", type=_positive, default=512)
+    bench.add_argument("--layers", type=_positive, default=4)
+    bench.add_argument("--vocab", type=_positive, default=4000)
+    bench.add_argument("--groups", type=_positive, default=2, help="prompts per mini-batch (default 2)")
+    bench.add_argument("--group-size", type=_positive, default=8, help="responses per prompt (default 8)")
+    bench.add_argument("--response-len", type=_positive, default=64, help="longest response (default 64)")
+    bench.add_argument("--risk-budget", type=float, default=0.01, help="HiLoRe's risk budget (default 0.01)")
+    bench.add_argument("--no-sweep", action="store_true", help="skip the planners' budget sweep")
+    bench.add_argument("--no-peaks", action="store_true", help="skip the per-method peak-memory processes")
+    bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write throughput against peak memory as PNG")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -80,8 +80,9 @@ class Controller:
 
     def activation_budget(self, tokens: int) -> float:
         k = self.costs.scale(tokens)
-        return (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
+        free = (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
                 - self.costs.unmanaged_bytes * k - self.costs.transient(tokens))
+        return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int]) -> None:
@@ -128,6 +129,11 @@ class Controller:
         predicted_risk = self.risk.predict(plan, l2) if self.risk is not None else 0.0
         self.history.append(PlanRecord(plan, self.predicted_peak(plan, tokens), predicted_risk, allowance, solve_ms))
         return plan
+
+    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0) -> dict[str, str]:
+        """The plan for one micro-batch of `tokens` tokens, without handing it to a runtime (what-if
+        planning; allowance 0 or no risk model: keep / recompute only)."""
+        return self._solve(exposure_l2, tokens, allowance)
 
     def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
         """Option names ("int8+offload", ...) as the runtime's UnitPlans."""

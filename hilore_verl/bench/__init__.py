@@ -1,0 +1,7 @@
+"""`hilore-verl bench`: HiLoRe against every baseline a user would pick, on one GRPO actor update."""
+
+from hilore_verl.bench.methods import METHODS
+from hilore_verl.bench.run import run_bench
+from hilore_verl.bench.workload import BenchConfig
+
+__all__ = ["METHODS", "BenchConfig", "run_bench"]

@@ -1,0 +1,169 @@
+"""The methods `hilore-verl bench` compares, each a small policy applied to a fresh copy of the policy model.
+
+    no_gc            nothing saved is dropped
+    gc               full gradient checkpointing of every decoder layer (verl's default: HF, non-reentrant)
+    verl_offload     verl's activation offload (CUDA only: side-stream copies)
+    hidden_offload   GC + the layer inputs (what GC holds) offloaded to host memory
+    int8_boundary    GC + the layer inputs compressed to int8 (uniform boundary compression)
+    fp8_boundary     the same with fp8-e4m3
+    keep_recompute   hilore-verl's planner with keep / recompute only, under the budget (torchtitan-style)
+    hilore           HiLoRe: keep / compress / recompute, risk-budgeted, under the budget
+
+A method is built once (`setup`, which for the planners profiles and calibrates) and then steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import hilore_verl
+from hilore_verl.bench.workload import BenchConfig, build_model, coefficients, loss_of, static_bytes
+from hilore_verl.kernels import dequantize, quantize
+from hilore_verl.planner import BudgetConfig, Controller, profile
+from hilore_verl.risk import RiskModel, calibrate
+
+METHODS = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
+           "hilore")
+PLANNERS = ("keep_recompute", "hilore")
+
+
+class Unavailable(Exception):
+    """The method cannot run on this machine (reason in the message)."""
+
+
+@dataclass
+class Method:
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    context: object = None  # a callable returning a context manager around forward + backward
+    runtime: object = None
+    controller: Controller | None = None
+    c: torch.Tensor | None = None
+    exposure_l2: float = 0.0
+    plan_s: list[float] = field(default_factory=list)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One actor update (forward, backward, optimizer step); returns its seconds."""
+        start = time.perf_counter()
+        self.forward_backward(batch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
+        if self.controller is not None:
+            t = time.perf_counter()
+            tokens = int(batch["attention_mask"].sum())
+            self.controller.begin_mini_batch([self.exposure_l2], [tokens])
+            self.controller.plan_micro_batch(0)
+            self.plan_s.append(time.perf_counter() - t)
+        head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None
+        with self.context() if self.context is not None else _null():
+            loss_of(self.model, batch, self.c, head).backward()
+
+    def gradient(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.forward_backward(batch)
+        grad = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad.double()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _boundary_codec(fmt: str, hidden_size: int, min_bytes: int = 16384):
+    """Saved-tensor hooks compressing what GC's outer graph saves of the residual stream (the layer
+    inputs, last dim = hidden size); parameters, logits and small tensors stay as they are."""
+    def pack(t):
+        if (t.is_floating_point() and t.shape[-1] == hidden_size and t.numel() * t.element_size() >= min_bytes
+                and t.grad_fn is not None and not isinstance(t, torch.nn.Parameter)):
+            return quantize(t.detach(), fmt, 64), t.requires_grad
+        return t
+
+    def unpack(x):
+        if isinstance(x, tuple):
+            return dequantize(x[0]).requires_grad_(x[1]) if x[1] else dequantize(x[0])
+        return x
+
+    return lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget: BudgetConfig | None = None,
+          risk_budget: float = 0.01) -> Method:
+    """A fresh policy copy with method `name` applied (planners: profiled, calibrated, under `budget`)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    if name == "verl_offload" and not torch.cuda.is_available():
+        raise Unavailable("verl's activation offload copies on a CUDA side stream; no GPU here")
+    model = build_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    method = Method(name, model, optimizer, c=coefficients(batch))
+    method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
+    if name in ("gc", "hidden_offload", "int8_boundary", "fp8_boundary"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if name == "hidden_offload":
+        method.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+    elif name in ("int8_boundary", "fp8_boundary"):
+        method.context = _boundary_codec(name.split("_")[0], config.hidden_size)
+    elif name == "verl_offload":  # pragma: no cover - GPU only
+        from hilore_verl.integration.baselines import enable_verl_activation_offload
+
+        enable_verl_activation_offload(model)
+    elif name in PLANNERS:
+        _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0)
+    return method
+
+
+def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float) -> None:
+    runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=16384))
+    method.runtime = runtime
+    tokens = int(batch["attention_mask"].sum())
+    head = lambda fn, *args: runtime.call("head", fn, *args)  # noqa: E731
+
+    def run(c=method.c):
+        method.optimizer.zero_grad(set_to_none=True)
+        loss_of(method.model, batch, c, head).backward()
+
+    costs = profile(runtime, run, tokens, element_size=4, formats=("int8", "fp8", "int4") if risk_budget else ())
+    risk = None
+    if risk_budget > 0:
+        def grad_fn(plan):
+            runtime.set_plan(plan)
+            run()
+            return torch.cat([p.grad.flatten() for p in method.model.parameters() if p.grad is not None])
+
+        risk = calibrate(grad_fn, [u.name for u in runtime.units], method.exposure_l2, fmts=("int8",),
+                         model=RiskModel())
+    method.optimizer.zero_grad(set_to_none=True)
+    method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model),
+                                   risk_budget=risk_budget)
+
+
+def planner_state(method: Method) -> dict:
+    """What a fresh process needs to run the same planner without profiling again."""
+    controller = method.controller
+    return {"controller": controller.state_dict(), "budget": (controller.budget.mode, controller.budget.value),
+            "risk_budget": controller.risk_budget}
+
+
+def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
+    model = build_model(config)
+    method = Method(name, model, torch.optim.AdamW(model.parameters(), lr=1e-6), c=coefficients(batch))
+    method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
+    method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
+    saved = state["controller"]
+    method.controller = Controller(method.runtime, Controller.costs_from_state(saved), Controller.risk_from_state(saved),
+                                   BudgetConfig(*state["budget"]), static_bytes=static_bytes(model),
+                                   risk_budget=state["risk_budget"])
+    method.controller.load_state_dict(saved)
+    return method

@@ -1,0 +1,53 @@
+"""Physical peak memory of one actor update of one method, in this fresh process (`python -m hilore_verl.bench.peak`).
+
+Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
+so freed memory leaves the process; after a warm-up step the kernel's high-water mark is reset
+(`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read. Reported over the process's
+resident size before the model was built (Python, torch and the libraries), so ratios compare
+what the methods themselves take. Planners load the parent's cost table and risk model (no
+second profiling run).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def measure(method: str, config_json: str, state_path: str | None) -> dict:
+    import torch
+
+    from hilore_verl.bench import methods as M
+    from hilore_verl.bench.workload import BenchConfig, make_batch
+
+    config = BenchConfig(**{k: v for k, v in json.loads(config_json).items() if k not in ("intermediate_size", "num_heads", "num_kv_heads")})
+    batch = make_batch(config)
+    base = _status_kib("VmRSS")
+    if method in M.PLANNERS:
+        state = torch.load(state_path, weights_only=False)
+        built = M.build_from_state(method, config, batch, state)
+    else:
+        built = M.build(method, config, batch)
+    built.step(batch)  # warm-up (and the allocator's first touch)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    built.step(batch)
+    peak = _status_kib("VmHWM")
+    held = None
+    if built.runtime is not None:
+        stats = built.runtime.stats()
+        held = stats.stored_bytes + stats.unmanaged_bytes
+    return {"base_kib": base, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)))

@@ -1,0 +1,246 @@
+"""`hilore-verl bench`: every method on the same GRPO actor update, side by side in one run.
+
+Order of work: build each method (planners profile and calibrate once), one gradient each against
+no GC's (same weights), then timed steps taken round-robin over methods and budget-sweep points
+(alternating cancels drift), then each method's physical peak in a fresh process. A method that
+fails is marked failed with its error; the others still report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from hilore_verl.bench import methods as M
+from hilore_verl.bench.workload import BenchConfig, head_flop_share, make_batch, static_bytes
+from hilore_verl.planner import BudgetConfig, Controller
+
+SWEEP = (1.0, 1.1, 1.25, 1.5)  # x the full-GC peak; plus the no-GC peak
+
+
+class Progress:
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream, self.start = total, 0, stream, time.perf_counter()
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        filled = int(30 * self.done / self.total)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                          f"{time.perf_counter() - self.start:5.0f}s {label:<36}")
+        self.stream.flush()
+        if self.done == self.total:
+            self.stream.write("\n")
+
+
+def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.METHODS, sweep: bool = True,
+              peaks: bool = True, risk_budget: float = 0.01) -> dict:
+    batch = make_batch(config)
+    tokens = int(batch["attention_mask"].sum())
+    results: dict[str, dict] = {m: {"status": "ok"} for m in methods}
+    built: dict[str, M.Method] = {}
+    planners = [m for m in methods if m in M.PLANNERS]
+    points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
+    progress = Progress(len(methods) * (2 + config.rounds) + len(points) * config.rounds + (len(methods) if peaks else 0))
+    for name in methods:
+        try:
+            built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget)
+        except M.Unavailable as err:
+            results[name] = {"status": "unavailable", "error": str(err)}
+        except Exception as err:  # noqa: BLE001 - reported per method; the others go on
+            results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+        progress.tick(f"built {name}")
+    exact = built["no_gc"].gradient(batch) if "no_gc" in built else None
+    for name, method in list(built.items()):
+        try:
+            if exact is not None:
+                grad = method.gradient(batch)
+                results[name]["grad_cosine"] = float(grad @ exact / (grad.norm() * exact.norm()))
+                results[name]["grad_rel_error"] = float((grad - exact).norm() / exact.norm())
+            method.step(batch)  # warm-up
+        except Exception as err:  # noqa: BLE001
+            results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+            built.pop(name)
+        progress.tick(f"gradient + warm-up {name}")
+    variants = _sweep_controllers(built, points)
+    times: dict[object, list[float]] = {k: [] for k in [*built, *variants]}
+    for r in range(config.rounds):
+        for key in times:
+            method = built[key[0]] if isinstance(key, tuple) else built[key]
+            if isinstance(key, tuple):
+                method.controller, saved = variants[key], method.controller
+            try:
+                times[key].append(method.step(batch))
+            finally:
+                if isinstance(key, tuple):
+                    method.controller = saved
+            progress.tick(f"round {r + 1} {key if isinstance(key, str) else key[0] + '@' + str(key[1])}")
+    for name in built:
+        t = statistics.median(times[name])
+        results[name].update(step_s=t, tokens_per_s=tokens / t)
+        method = built[name]
+        if method.controller is not None:
+            c = method.controller
+            results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
+                                 budget_bytes=c.memory_budget, gc_peak_predicted_bytes=c.gc_peak,
+                                 controller_share=sum(method.plan_s[-config.rounds:]) / sum(times[name]))
+    sweep_rows = []
+    for key, controller in variants.items():
+        t = statistics.median(times[key])
+        last = controller.history[-1]
+        sweep_rows.append({"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget,
+                           "predicted_peak_bytes": last.predicted_peak, "step_s": t, "tokens_per_s": tokens / t,
+                           "plan_counts": _counts(last.plan)})
+    if peaks:
+        with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
+            for name in methods:
+                if results[name]["status"] == "ok":
+                    results[name].update(_peak(name, config, built[name], tmp))
+                progress.tick(f"peak memory {name}")
+    report = {"config": config.to_dict(), "tokens": tokens, "static_bytes": static_bytes(built[next(iter(built))].model)
+              if built else None, "head_flop_share": head_flop_share(config), "methods": results, "sweep": sweep_rows,
+              "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
+              "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
+    report["summary"] = summarize(report)
+    return report
+
+
+def _sweep_controllers(built: dict[str, M.Method], points) -> dict[tuple, Controller]:
+    out = {}
+    for name, ratio in points:
+        if name not in built:
+            continue
+        base = built[name].controller
+        keep_all = base.predicted_peak({u.name: "keep" for u in base.costs.units}, base.costs.tokens)
+        budget = BudgetConfig("gib", keep_all / 2**30) if ratio == "no_gc" else BudgetConfig("gc_ratio", ratio)
+        out[(name, ratio)] = Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
+                                        risk_budget=base.risk_budget)
+    return out
+
+
+def _peak(name: str, config: BenchConfig, method: M.Method, tmp: str) -> dict:
+    state = None
+    if method.controller is not None:
+        state = os.path.join(tmp, f"{name}.pt")
+        torch.save(M.planner_state(method), state)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    cmd = [sys.executable, "-m", "hilore_verl.bench.peak", name, json.dumps(config.to_dict())] + ([state] if state else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        return {"peak_error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024, "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024,
+            "runtime_held_bytes": m["runtime_held_bytes"]}
+
+
+def _counts(plan: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for choice in plan.values():
+        counts[choice] = counts.get(choice, 0) + 1
+    return counts
+
+
+def summarize(report: dict) -> dict:
+    """The headline figures and the issue's targets, from measured numbers only."""
+    r = report["methods"]
+    ok = {k: v for k, v in r.items() if v.get("status") == "ok"}
+    out: dict = {}
+    if "gc" in ok and "no_gc" in ok:
+        t_gc, t_no = ok["gc"]["step_s"], ok["no_gc"]["step_s"]
+        out["gc_overhead"] = t_gc / t_no - 1
+        if "peak_bytes" in ok["gc"]:
+            out["static_share_of_gc_peak"] = report["static_bytes"] / ok["gc"]["peak_bytes"]
+        if "hilore" in ok:
+            t_h = ok["hilore"]["step_s"]
+            out["hilore_recovered_share"] = (t_gc - t_h) / (t_gc - t_no) if t_gc > t_no else None
+            out["hilore_throughput_vs_gc"] = t_gc / t_h
+            if "peak_bytes" in ok["hilore"] and "peak_bytes" in ok["gc"]:
+                out["hilore_peak_vs_gc"] = ok["hilore"]["peak_bytes"] / ok["gc"]["peak_bytes"]
+                limit = 1.10 * ok["gc"]["peak_bytes"]
+                rivals = [k for k, v in ok.items() if k not in ("hilore", "no_gc") and v.get("peak_bytes", 1e30) <= limit]
+                if rivals:
+                    best = min(rivals, key=lambda k: ok[k]["step_s"])
+                    out["best_other_within_budget"] = best
+                    out["hilore_vs_best_other"] = ok[best]["step_s"] / t_h
+            out["hilore_grad_cosine"] = ok["hilore"].get("grad_cosine")
+            out["hilore_controller_share"] = ok["hilore"].get("controller_share")
+    return out
+
+
+def table(report: dict) -> str:
+    r = report["methods"]
+    gc = r.get("gc", {})
+    lines = [f"{'method':<15} {'tokens/s':>9} {'x GC':>6} {'peak MiB':>9} {'x GC':>6} {'held MiB':>9} "
+             f"{'grad cos':>9} {'rel err':>8}  status"]
+    for name, v in r.items():
+        if v.get("status") != "ok":
+            lines.append(f"{name:<15} {'':>9} {'':>6} {'':>9} {'':>6} {'':>9} {'':>9} {'':>8}  "
+                         f"{v['status']}: {v.get('error', '')}")
+            continue
+        tput = f"{v['tokens_per_s']:9.0f} {v['tokens_per_s'] / gc['tokens_per_s']:6.3f}" if "tokens_per_s" in gc \
+            else f"{v['tokens_per_s']:9.0f} {'':>6}"
+        peak = (f"{v['peak_bytes'] / 2**20:9.1f} {v['peak_bytes'] / gc['peak_bytes']:6.3f}"
+                if "peak_bytes" in v and "peak_bytes" in gc else f"{v.get('peak_error', '-')[:16]:>16}")
+        held = f"{v['runtime_held_bytes'] / 2**20:9.1f}" if v.get("runtime_held_bytes") else f"{'-':>9}"
+        lines.append(f"{name:<15} {tput} {peak} {held} {v.get('grad_cosine', float('nan')):9.6f} "
+                     f"{v.get('grad_rel_error', float('nan')):8.2e}  ok")
+    s = report["summary"]
+    lines.append("")
+    if "gc_overhead" in s:
+        lines.append(f"GC overhead over no GC: {100 * s['gc_overhead']:.1f}% (GPU jobs: 20-33%); "
+                     f"vocabulary head {100 * report['head_flop_share']:.1f}% of forward FLOPs; static "
+                     f"{report['static_bytes'] / 2**20:.0f} MiB"
+                     + (f" = {100 * s['static_share_of_gc_peak']:.0f}% of GC's peak" if "static_share_of_gc_peak" in s else ""))
+    if s.get("hilore_recovered_share") is not None:
+        lines.append(f"HiLoRe: {s['hilore_throughput_vs_gc']:.3f}x GC throughput, recovers "
+                     f"{100 * s['hilore_recovered_share']:.0f}% of GC's recompute overhead (target >= 60%)")
+    if "hilore_peak_vs_gc" in s:
+        lines.append(f"HiLoRe peak: {s['hilore_peak_vs_gc']:.3f}x GC's (target <= 1.10)")
+    if "hilore_vs_best_other" in s:
+        lines.append(f"HiLoRe vs the fastest other method within 1.10x GC's peak ({s['best_other_within_budget']}): "
+                     f"{s['hilore_vs_best_other']:.3f}x (target >= 1.05)")
+    if s.get("hilore_controller_share") is not None:
+        lines.append(f"HiLoRe controller + solver: {100 * s['hilore_controller_share']:.2f}% of update time "
+                     f"(target <= 2%); gradient cosine {s['hilore_grad_cosine']:.6f} (target >= 0.999)")
+    if report["sweep"]:
+        lines += ["", "budget sweep (predicted peak from the runtime's cost table; time measured)",
+                  f"{'method':<15} {'budget':>8} {'budget MiB':>11} {'tokens/s':>9}  plan"]
+        for row in report["sweep"]:
+            lines.append(f"{row['method']:<15} {str(row['budget']):>8} {row['budget_bytes'] / 2**20:11.1f} "
+                         f"{row['tokens_per_s']:9.0f}  {row['plan_counts']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, v in report["methods"].items():
+        if v.get("status") == "ok" and "peak_bytes" in v:
+            ax.scatter(v["peak_bytes"] / 2**20, v["tokens_per_s"], label=name)
+    for method in M.PLANNERS:
+        rows = [r for r in report["sweep"] if r["method"] == method]
+        if rows:
+            ax.plot([r["predicted_peak_bytes"] / 2**20 for r in rows], [r["tokens_per_s"] for r in rows], "--",
+                    marker="x", label=f"{method} budget sweep (predicted peak)")
+    ax.set_xlabel("peak memory of the step, MiB")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"actor update throughput against peak memory ({report['device']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def save_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))

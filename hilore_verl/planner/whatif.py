@@ -1,0 +1,116 @@
+"""What a plan would be for a model on a GPU, from its config alone (`hilore-verl plan`): no GPU, no weights.
+
+Costs come from `analytic_costs` (meta-device forward, FLOP and byte estimates). Static memory per
+GPU, FSDP-sharded over `gpus` ranks with fp32 master weights, gradients and two Adam moments, plus
+the unsharded bf16 parameters of two decoder layers (the one running and the one prefetched):
+
+    static = 16 * params / gpus + 2 * 2 * params_per_layer
+
+Step time, with F the sum of unit forward times: no GC ~ 3F (forward + backward at 2x);
+full GC ~ 4F; a plan ~ 3F + the plan's extra time (recomputed forwards, codec passes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hilore_verl.planner.analytic import analytic_costs
+from hilore_verl.planner.budget import GIB, BudgetConfig
+from hilore_verl.planner.controller import Controller
+
+
+@dataclass
+class WhatIf:
+    model: str
+    tokens: int
+    gpus: int
+    gpu_mem_gib: float
+    params: int
+    static_gib: float
+    gc_peak_gib: float
+    no_gc_peak_gib: float
+    budget_gib: float
+    peak_gib: float
+    plan: dict[str, str]
+    unit_held_mib: dict[str, float]
+    gc_extra_s: float
+    plan_extra_s: float
+    forward_s: float
+
+    @property
+    def saved_vs_gc(self) -> float:
+        """Predicted share of a full-GC step's time saved by the plan."""
+        return (self.gc_extra_s - self.plan_extra_s) / (3 * self.forward_s + self.gc_extra_s)
+
+    def table(self) -> str:
+        layers: dict[str, dict[str, str]] = {}
+        for unit, choice in self.plan.items():
+            parts = unit.split(".")
+            row, col = (f"layer {parts[1]}", ".".join(parts[2:])) if parts[0] == "layers" else (unit, unit)
+            layers.setdefault(row, {})[col] = choice
+        kinds = sorted({k for cols in layers.values() for k in cols if k != "head"})
+        lines = ["unit plan (keep / recompute; compression is calibrated on the real model at the first step)",
+                 "           " + " ".join(f"{k:>10}" for k in kinds)]
+        for row, cols in layers.items():
+            if row == "head":
+                lines.append(f"{'head':>10} {cols['head']:>10}")
+            else:
+                lines.append(f"{row:>10} " + " ".join(f"{cols.get(k, '-'):>10}" for k in kinds))
+        counts: dict[str, int] = {}
+        for choice in self.plan.values():
+            counts[choice] = counts.get(choice, 0) + 1
+        lines += ["",
+                  f"model {self.model}: {self.params / 1e9:.2f} B parameters, {self.tokens} tokens per micro-batch, "
+                  f"{self.gpus} GPUs of {self.gpu_mem_gib:g} GiB",
+                  f"static per GPU (sharded weights, grads, Adam; two unsharded layers): {self.static_gib:.2f} GiB",
+                  f"peak: full GC {self.gc_peak_gib:.2f} GiB, no GC {self.no_gc_peak_gib:.2f} GiB, "
+                  f"budget {self.budget_gib:.2f} GiB, this plan {self.peak_gib:.2f} GiB "
+                  f"({', '.join(f'{n} {c}' for c, n in sorted(counts.items()))})",
+                  f"predicted actor-update time saved against full GC: {100 * self.saved_vs_gc:.1f}% "
+                  f"(recompute {1e3 * self.plan_extra_s:.1f} ms instead of {1e3 * self.gc_extra_s:.1f} ms "
+                  f"per micro-batch; forward {1e3 * self.forward_s:.1f} ms)"]
+        return "\n".join(lines)
+
+
+def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_mem_gib: float,
+            budget: BudgetConfig, flops_per_s: float = 400e12, bytes_per_s: float = 3e12) -> WhatIf:
+    costs = analytic_costs(config, tokens, seq_len, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+                           formats=())
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    per_layer = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
+    static = 16 * params / gpus + 2 * 2 * per_layer
+    capacity = gpu_mem_gib * GIB
+    controller = Controller(None, costs, None, budget, static_bytes=static, free_bytes=capacity)
+    if controller.gc_peak > capacity:
+        raise ValueError(f"full recompute alone needs {controller.gc_peak / GIB:.2f} GiB per GPU, more than the "
+                         f"{gpu_mem_gib:g} GiB of the device: use fewer --micro-batch-tokens or more --gpus")
+    if controller.memory_budget > capacity:
+        raise ValueError(f"the budget {controller.memory_budget / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
+                         f"of the device: lower --budget (e.g. gib:{gpu_mem_gib * 0.9:.0f} or auto:2)")
+    plan = controller.plan_for(tokens)
+    by_name = {u.name: u for u in costs.units}
+    chosen = {n: {o.name: o for o in costs.options(by_name[n], tokens)}[c] for n, c in plan.items()}
+    recompute = {n: {o.name: o for o in costs.options(by_name[n], tokens)}["recompute"] for n in plan}
+    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens)
+    return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, controller.gc_peak / GIB, no_gc / GIB,
+                  controller.memory_budget / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
+                  {n: o.memory / 2**20 for n, o in chosen.items()}, sum(o.time for o in recompute.values()),
+                  sum(o.time for o in chosen.values()), sum(u.forward_s for u in costs.units) * costs.scale(tokens))
+
+
+def parse_budget(text: str) -> BudgetConfig:
+    """`gc_ratio:1.10`, `gib:40`, `auto` or `auto:2` (GiB of headroom)."""
+    mode, _, value = text.partition(":")
+    try:
+        number = float(value) if value else {"auto": 0.0}.get(mode)
+        if number is None:
+            raise ValueError("a value is needed")
+        return BudgetConfig(mode, number)
+    except ValueError as err:
+        raise ValueError(f"bad --budget {text!r}: {err}; use gc_ratio:1.10, gib:40 or auto:2") from None

@@ -1,0 +1,65 @@
+"""`hilore-verl bench` on a small model: every method runs (verl's offload is marked unavailable without a
+GPU), exact methods give the exact gradient, lossy ones stay within bounds, the sweep and the report hold."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hilore_verl.bench import BenchConfig, run_bench
+from hilore_verl.bench.run import plot, save_json, table
+
+SMALL = BenchConfig(hidden_size=256, num_layers=2, vocab_size=2048, num_groups=2, group_size=4, max_response_len=96,
+                    rounds=1)
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_bench(SMALL, methods=("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary",
+                                     "keep_recompute", "hilore"))
+
+
+def test_methods_run_and_gradients_hold(report):
+    m = report["methods"]
+    assert m["verl_offload"]["status"] == "unavailable" and "CUDA" in m["verl_offload"]["error"]
+    for name in ("no_gc", "gc", "hidden_offload", "int8_boundary", "keep_recompute", "hilore"):
+        assert m[name]["status"] == "ok", m[name]
+        assert m[name]["tokens_per_s"] > 0 and m[name]["peak_bytes"] > 0
+    for exact in ("gc", "hidden_offload", "keep_recompute"):  # recompute and host copies are exact
+        assert m[exact]["grad_rel_error"] == 0.0, (exact, m[exact])
+    assert m["int8_boundary"]["grad_cosine"] >= 0.999 and m["hilore"]["grad_cosine"] >= 0.999
+    assert m["no_gc"]["peak_bytes"] > m["gc"]["peak_bytes"]  # physical: no GC holds every activation
+
+
+def test_planners_and_sweep(report):
+    m = report["methods"]
+    for name in ("keep_recompute", "hilore"):
+        assert m[name]["predicted_peak_bytes"] <= m[name]["budget_bytes"]
+        assert m[name]["budget_bytes"] == pytest.approx(1.10 * m[name]["gc_peak_predicted_bytes"])
+        assert 0 <= m[name]["controller_share"] < 0.2
+    for name in ("keep_recompute", "hilore"):
+        rows = [r for r in report["sweep"] if r["method"] == name]
+        assert [r["budget"] for r in rows] == [1.0, 1.1, 1.25, 1.5, "no_gc"]
+        budgets = [r["budget_bytes"] for r in rows]
+        assert budgets == sorted(budgets)
+        assert all(r["predicted_peak_bytes"] <= r["budget_bytes"] * (1 + 1e-9) for r in rows)
+        keeps = [r["plan_counts"].get("keep", 0) for r in rows]
+        assert keeps == sorted(keeps)  # more memory, never fewer kept units
+
+
+def test_report_outputs(report, tmp_path):
+    text = table(report)
+    assert "GC overhead over no GC" in text and "budget sweep" in text and "unavailable" in text
+    save_json(report, tmp_path / "bench.json")
+    assert json.loads((tmp_path / "bench.json").read_text())["summary"]["gc_overhead"] == report["summary"]["gc_overhead"]
+    plot(report, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bad_method_is_one_line():
+    proc = subprocess.run([str(Path(sys.executable).with_name("hilore-verl")), "bench", "--methods", "gc,zero3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown method 'zero3'; valid: no_gc, gc" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
