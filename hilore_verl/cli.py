@@ -59,9 +59,19 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# glibc malloc hands large freed blocks back to the kernel, so a CPU step that keeps its activations
+# pays page faults a GPU's caching allocator never pays; keep freed memory in the heap instead.
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+
 def _bench(args: argparse.Namespace) -> int:
+    import os
+
+    if sys.platform.startswith("linux") and os.environ.get("MALLOC_TRIM_THRESHOLD_") is None:
+        os.execve(sys.executable, [sys.executable, "-m", "hilore_verl.cli", *sys.argv[1:]],
+                  {**os.environ, **CACHING_MALLOC})
     from hilore_verl.bench import METHODS, BenchConfig
-    from hilore_verl.bench.run import plot, run_bench, save_json, table
+    from hilore_verl.bench.run import append_record, plot, run_bench, save_json, table
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS] or ([] if methods else ["(none)"])
@@ -89,6 +99,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if args.append:
+        append_record(report, args.append, " ".join(["hilore-verl", *sys.argv[1:]]))
+        print(f"appended to {args.append}")
     failed = [m for m, v in report["methods"].items() if v["status"] == "failed"]
     return 1 if failed else 0
 
@@ -121,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "planner on one GRPO actor update, side by side")
     bench.add_argument("--methods", default="no_gc,gc,verl_offload,hidden_offload,int8_boundary,fp8_boundary,"
                        "keep_recompute,hilore", help="comma-separated methods (default: all)")
-    bench.add_argument("--rounds", type=_positive, default=2, help="timed steps per method, round-robin (default 2)")
-    bench.add_argument("--hidden", type=_positive, default=512)
+    bench.add_argument("--rounds", type=_positive, default=3, help="timed steps per method, round-robin (default 3)")
+    bench.add_argument("--hidden", type=_positive, default=768)
     bench.add_argument("--layers", type=_positive, default=4)
     bench.add_argument("--vocab", type=_positive, default=4000)
     bench.add_argument("--groups", type=_positive, default=2, help="prompts per mini-batch (default 2)")
@@ -133,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-peaks", action="store_true", help="skip the per-method peak-memory processes")
     bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write throughput against peak memory as PNG")
+    bench.add_argument("--append", metavar="PATH", help="append this run (date, command, summary, per-method figures) "
+                                                        "as one JSON line")
     bench.set_defaults(func=_bench)
     return parser
 

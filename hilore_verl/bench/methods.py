@@ -14,6 +14,7 @@ A method is built once (`setup`, which for the planners profiles and calibrates)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -99,8 +100,9 @@ def _boundary_codec(fmt: str, hidden_size: int, min_bytes: int = 16384):
 
 
 def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget: BudgetConfig | None = None,
-          risk_budget: float = 0.01) -> Method:
-    """A fresh policy copy with method `name` applied (planners: profiled, calibrated, under `budget`)."""
+          risk_budget: float = 0.01, costs=None) -> Method:
+    """A fresh policy copy with method `name` applied (planners: profiled, calibrated, under `budget`;
+    `costs`: a cost table already profiled on the same model and batch, reused instead of probing)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
     if name == "verl_offload" and not torch.cuda.is_available():
@@ -115,16 +117,17 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         method.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
     elif name in ("int8_boundary", "fp8_boundary"):
         method.context = _boundary_codec(name.split("_")[0], config.hidden_size)
-    elif name == "verl_offload":  # pragma: no cover - GPU only
+    elif name == "verl_offload":  # GPU only; verl's recipes pair it with GC
         from hilore_verl.integration.baselines import enable_verl_activation_offload
 
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_verl_activation_offload(model)
     elif name in PLANNERS:
-        _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0)
+        _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0, costs)
     return method
 
 
-def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float) -> None:
+def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float, costs=None) -> None:
     runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=16384))
     method.runtime = runtime
     tokens = int(batch["attention_mask"].sum())
@@ -134,7 +137,10 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
         method.optimizer.zero_grad(set_to_none=True)
         loss_of(method.model, batch, c, head).backward()
 
-    costs = profile(runtime, run, tokens, element_size=4, formats=("int8", "fp8", "int4") if risk_budget else ())
+    if costs is None:
+        costs = profile(runtime, run, tokens, element_size=4)
+    if not risk_budget:  # keep / recompute only
+        costs = dataclasses.replace(costs, formats=())
     risk = None
     if risk_budget > 0:
         def grad_fn(plan):
@@ -145,8 +151,9 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
         risk = calibrate(grad_fn, [u.name for u in runtime.units], method.exposure_l2, fmts=("int8",),
                          model=RiskModel())
     method.optimizer.zero_grad(set_to_none=True)
+    # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
     method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model),
-                                   risk_budget=risk_budget)
+                                   risk_budget=risk_budget, token_bucket=1)
 
 
 def planner_state(method: Method) -> dict:
@@ -164,6 +171,6 @@ def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Meth
     saved = state["controller"]
     method.controller = Controller(method.runtime, Controller.costs_from_state(saved), Controller.risk_from_state(saved),
                                    BudgetConfig(*state["budget"]), static_bytes=static_bytes(model),
-                                   risk_budget=state["risk_budget"])
+                                   risk_budget=state["risk_budget"], token_bucket=1)
     method.controller.load_state_dict(saved)
     return method

@@ -30,8 +30,8 @@ class Progress:
     def __init__(self, total: int, stream=sys.stderr):
         self.total, self.done, self.stream, self.start = total, 0, stream, time.perf_counter()
 
-    def tick(self, label: str) -> None:
-        self.done += 1
+    def tick(self, label: str, advance: int = 1) -> None:
+        self.done += advance
         filled = int(30 * self.done / self.total)
         self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
                           f"{time.perf_counter() - self.start:5.0f}s {label:<36}")
@@ -48,10 +48,15 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     built: dict[str, M.Method] = {}
     planners = [m for m in methods if m in M.PLANNERS]
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
-    progress = Progress(len(methods) * (2 + config.rounds) + len(points) * config.rounds + (len(methods) if peaks else 0))
-    for name in methods:
+    progress = Progress(len(methods) * (2 + config.rounds) + len(points) + (len(methods) if peaks else 0))
+    costs = None  # the planners share one profiled cost table (same model, same batch)
+    for name in sorted(methods, key=lambda m: m != "hilore"):
+        progress.tick(f"building {name}" + (" (profiling, calibrating)" if name in M.PLANNERS and costs is None
+                                            else ""), advance=0)
         try:
-            built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget)
+            built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget, costs)
+            if built[name].controller is not None:
+                costs = built[name].controller.costs
         except M.Unavailable as err:
             results[name] = {"status": "unavailable", "error": str(err)}
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
@@ -72,7 +77,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     variants = _sweep_controllers(built, points)
     times: dict[object, list[float]] = {k: [] for k in [*built, *variants]}
     for r in range(config.rounds):
-        for key in times:
+        for key in [k for k in times if not isinstance(k, tuple) or r == 0]:  # sweep points: one round
             method = built[key[0]] if isinstance(key, tuple) else built[key]
             if isinstance(key, tuple):
                 method.controller, saved = variants[key], method.controller
@@ -121,7 +126,7 @@ def _sweep_controllers(built: dict[str, M.Method], points) -> dict[tuple, Contro
         keep_all = base.predicted_peak({u.name: "keep" for u in base.costs.units}, base.costs.tokens)
         budget = BudgetConfig("gib", keep_all / 2**30) if ratio == "no_gc" else BudgetConfig("gc_ratio", ratio)
         out[(name, ratio)] = Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
-                                        risk_budget=base.risk_budget)
+                                        risk_budget=base.risk_budget, token_bucket=base.token_bucket)
     return out
 
 
@@ -244,3 +249,13 @@ def plot(report: dict, path: str) -> None:
 def save_json(report: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o))
+
+
+def append_record(report: dict, path: str, command: str) -> None:
+    """One JSON line per run: when, what command, the summary and the per-method figures (no plans)."""
+    methods = {k: {f: v for f, v in m.items() if f != "plan"} for k, m in report["methods"].items()}
+    record = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": command,
+              "device": report["device"], "threads": report["threads"], "versions": report["versions"],
+              "config": report["config"], "summary": report["summary"], "methods": methods, "sweep": report["sweep"]}
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")

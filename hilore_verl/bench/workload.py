@@ -21,7 +21,7 @@ from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
 @dataclass(frozen=True)
 class BenchConfig:
-    hidden_size: int = 512
+    hidden_size: int = 768
     """Model width (Qwen2 shape; intermediate = 8/3 x hidden rounded to 64)."""
     num_layers: int = 4
     vocab_size: int = 4000
@@ -33,7 +33,7 @@ class BenchConfig:
     max_response_len: int = 64
     zero_advantage_share: float = 0.5
     """Share of groups whose responses all got the same reward (zero advantage)."""
-    rounds: int = 2
+    rounds: int = 3
     """Timed steps per method (after one warm-up step), taken round-robin over the methods."""
     seed: int = 0
 
