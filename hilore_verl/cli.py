@@ -84,11 +84,20 @@ def _bench(args: argparse.Namespace) -> int:
         except ImportError:
             print("hilore-verl bench: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
             return 2
+    if args.model is not None:
+        from hilore_verl.presets import load_config
+
+        try:
+            args.vocab = load_config(args.model).vocab_size  # prompts and responses drawn from the model's vocabulary
+        except ValueError as err:
+            print(f"hilore-verl bench: {err}", file=sys.stderr)
+            return 2
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
-                         rounds=args.rounds)
-    print(f"hilore-verl bench: {', '.join(methods)}; Qwen2-shaped model hidden {config.hidden_size}, "
-          f"{config.num_layers} layers, vocabulary {config.vocab_size}; {config.num_groups} x {config.group_size} "
+                         rounds=args.rounds, model=args.model)
+    shape = (f"model {config.model} (random weights)" if config.model else
+             f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
+    print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
           f"responses up to {config.max_response_len} tokens", flush=True)
     report = run_bench(config, methods, sweep=not args.no_sweep, peaks=not args.no_peaks,
                        risk_budget=args.risk_budget)
@@ -135,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="no_gc,gc,verl_offload,hidden_offload,int8_boundary,fp8_boundary,"
                        "keep_recompute,hilore", help="comma-separated methods (default: all)")
     bench.add_argument("--rounds", type=_positive, default=3, help="timed steps per method, round-robin (default 3)")
+    bench.add_argument("--model", default=None, help="a preset (e.g. qwen2.5-1.5b) or HF model directory: its "
+                                                     "architecture with random weights (default: the Qwen2 shape below)")
     bench.add_argument("--hidden", type=_positive, default=768)
     bench.add_argument("--layers", type=_positive, default=4)
     bench.add_argument("--vocab", type=_positive, default=4000)

@@ -63,3 +63,13 @@ def test_cli_bad_method_is_one_line():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown method 'zero3'; valid: no_gc, gc" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_directory_replaces_the_default_shape(tmp_path):
+    from hilore_verl.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "llama", "llama", seed=1)
+    config = BenchConfig(model=model_dir, vocab_size=512, num_groups=1, group_size=4, max_response_len=32, rounds=1)
+    report = run_bench(config, methods=("no_gc", "gc"), sweep=False, peaks=False)
+    assert report["methods"]["gc"]["status"] == "ok" and report["methods"]["gc"]["grad_rel_error"] == 0.0
+    assert report["config"]["model"] == model_dir

@@ -49,10 +49,12 @@ class Method:
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One actor update (forward, backward, optimizer step); returns its seconds."""
+        _sync()
         start = time.perf_counter()
         self.forward_backward(batch)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        _sync()
         return time.perf_counter() - start
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
@@ -72,6 +74,11 @@ class Method:
         grad = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
         self.optimizer.zero_grad(set_to_none=True)
         return grad.double()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class _null:
@@ -116,7 +123,7 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
     if name == "hidden_offload":
         method.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
     elif name in ("int8_boundary", "fp8_boundary"):
-        method.context = _boundary_codec(name.split("_")[0], config.hidden_size)
+        method.context = _boundary_codec(name.split("_")[0], model.config.hidden_size)
     elif name == "verl_offload":  # GPU only; verl's recipes pair it with GC
         from hilore_verl.integration.baselines import enable_verl_activation_offload
 
@@ -138,7 +145,7 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
         loss_of(method.model, batch, c, head).backward()
 
     if costs is None:
-        costs = profile(runtime, run, tokens, element_size=4)
+        costs = profile(runtime, run, tokens, element_size=next(method.model.parameters()).element_size())
     if not risk_budget:  # keep / recompute only
         costs = dataclasses.replace(costs, formats=())
     risk = None

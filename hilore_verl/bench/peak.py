@@ -28,20 +28,28 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.workload import BenchConfig, make_batch
 
-    config = BenchConfig(**{k: v for k, v in json.loads(config_json).items() if k not in ("intermediate_size", "num_heads", "num_kv_heads")})
+    config = BenchConfig(**{k: v for k, v in json.loads(config_json).items()
+                            if k not in ("intermediate_size", "num_heads", "num_kv_heads")})
     batch = make_batch(config)
-    base = _status_kib("VmRSS")
+    cuda = torch.cuda.is_available()  # CUDA: the allocator's own peak (max_memory_allocated), not RSS
+    base = torch.cuda.memory_allocated() // 1024 if cuda else _status_kib("VmRSS")
     if method in M.PLANNERS:
         state = torch.load(state_path, weights_only=False)
         built = M.build_from_state(method, config, batch, state)
     else:
         built = M.build(method, config, batch)
     built.step(batch)  # warm-up (and the allocator's first touch)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
-    built.step(batch)
-    peak = _status_kib("VmHWM")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() // 1024
+        built.step(batch)
+        peak = torch.cuda.max_memory_allocated() // 1024
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+        built.step(batch)
+        peak = _status_kib("VmHWM")
     held = None
     if built.runtime is not None:
         stats = built.runtime.stats()

@@ -109,8 +109,9 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 if results[name]["status"] == "ok":
                     results[name].update(_peak(name, config, built[name], tmp))
                 progress.tick(f"peak memory {name}")
-    report = {"config": config.to_dict(), "tokens": tokens, "static_bytes": static_bytes(built[next(iter(built))].model)
-              if built else None, "head_flop_share": head_flop_share(config), "methods": results, "sweep": sweep_rows,
+    any_model = built[next(iter(built))].model if built else None
+    report = {"config": config.to_dict(), "tokens": tokens, "static_bytes": static_bytes(any_model) if built else None,
+              "head_flop_share": head_flop_share(any_model) if built else None, "methods": results, "sweep": sweep_rows,
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
     report["summary"] = summarize(report)
@@ -135,7 +136,8 @@ def _peak(name: str, config: BenchConfig, method: M.Method, tmp: str) -> dict:
     if method.controller is not None:
         state = os.path.join(tmp, f"{name}.pt")
         torch.save(M.planner_state(method), state)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+           "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     cmd = [sys.executable, "-m", "hilore_verl.bench.peak", name, json.dumps(config.to_dict())] + ([state] if state else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
@@ -200,7 +202,7 @@ def table(report: dict) -> str:
     lines.append("")
     if "gc_overhead" in s:
         lines.append(f"GC overhead over no GC: {100 * s['gc_overhead']:.1f}% (GPU jobs: 20-33%); "
-                     f"vocabulary head {100 * report['head_flop_share']:.1f}% of forward FLOPs; static "
+                     f"vocabulary head {100 * report['head_flop_share']:.1f}% of forward matmul FLOPs; static "
                      f"{report['static_bytes'] / 2**20:.0f} MiB"
                      + (f" = {100 * s['static_share_of_gc_peak']:.0f}% of GC's peak" if "static_share_of_gc_peak" in s else ""))
     if s.get("hilore_recovered_share") is not None:

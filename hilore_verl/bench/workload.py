@@ -4,7 +4,8 @@ The loss is the GRPO policy gradient at the on-policy point in verl's token-mean
 
     L = -sum_t A_t * log p_t / N_tokens        (dL/dlog p_t = c_t = -A_t / N: verl's ppo_loss at ratio 1)
 
-so its gradient is the actor update's. Sizes follow docs/design.md's realism rules: static memory
+so its gradient is the actor update's. On CUDA the model runs in bf16 (Triton codecs); on the CPU in
+fp32 (torch reference codecs). Sizes follow docs/design.md's realism rules: static memory
 (fp32 weights, grads and two Adam moments: 16 bytes per parameter) about half of the full-GC peak,
 the vocabulary head a GPU-like share of the FLOPs, and GC's overhead over no GC printed.
 """
@@ -36,6 +37,8 @@ class BenchConfig:
     rounds: int = 3
     """Timed steps per method (after one warm-up step), taken round-robin over the methods."""
     seed: int = 0
+    model: str | None = None
+    """A preset or HF model directory: its architecture (random weights) instead of the Qwen2 shape above."""
 
     @property
     def intermediate_size(self) -> int:
@@ -54,18 +57,38 @@ class BenchConfig:
                 "num_kv_heads": self.num_kv_heads}
 
 
+def device() -> torch.device:
+    """CUDA when present (bf16 weights, Triton codecs), else the CPU (fp32, torch reference codecs)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def dtype() -> torch.dtype:
+    return torch.bfloat16 if device().type == "cuda" else torch.float32
+
+
 def build_model(config: BenchConfig) -> torch.nn.Module:
-    return build_tiny_model("qwen2", seed=config.seed, hidden_size=config.hidden_size,
-                            intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-                            num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                            vocab_size=config.vocab_size, max_position_embeddings=1024).train()
+    if config.model is not None:
+        from transformers import AutoModelForCausalLM
+
+        from hilore_verl.presets import load_config
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = AutoModelForCausalLM.from_config(load_config(config.model), dtype=dtype(),
+                                                     attn_implementation="sdpa")
+    else:
+        model = build_tiny_model("qwen2", seed=config.seed, dtype=dtype(), hidden_size=config.hidden_size,
+                                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                                 vocab_size=config.vocab_size, max_position_embeddings=4096)
+    return model.to(device()).train()
 
 
 def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
     workload = GRPOWorkload(num_groups=config.num_groups, group_size=config.group_size,
                             max_prompt_len=config.max_prompt_len, max_response_len=config.max_response_len,
                             zero_advantage_share=config.zero_advantage_share, vocab_size=config.vocab_size)
-    return make_grpo_batch(workload, seed=config.seed)
+    return {k: v.to(device()) for k, v in make_grpo_batch(workload, seed=config.seed).items()}
 
 
 def coefficients(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -90,12 +113,12 @@ def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Ten
 
 
 def static_bytes(model: torch.nn.Module) -> int:
-    """fp32 weights + grads + two AdamW moments."""
-    return 16 * sum(p.numel() for p in model.parameters())
+    """Weights + grads + two AdamW moments, in the weights' dtype (fp32 here: 16 bytes per parameter)."""
+    return sum(4 * p.numel() * p.element_size() for p in model.parameters())
 
 
-def head_flop_share(config: BenchConfig) -> float:
-    """The vocabulary projection's share of the forward FLOPs (matmuls only)."""
-    h, i, kv = config.hidden_size, config.intermediate_size, config.hidden_size * config.num_kv_heads // config.num_heads
-    layer = 2 * h * h + 2 * h * kv + 3 * h * i
-    return h * config.vocab_size / (config.num_layers * layer + h * config.vocab_size)
+def head_flop_share(model: torch.nn.Module) -> float:
+    """The vocabulary projection's share of the forward matmul FLOPs (2 x weights per token each)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
+    return head.weight.numel() / sum(m.weight.numel() for m in linears)
