@@ -73,3 +73,22 @@ def test_a_model_directory_replaces_the_default_shape(tmp_path):
     report = run_bench(config, methods=("no_gc", "gc"), sweep=False, peaks=False)
     assert report["methods"]["gc"]["status"] == "ok" and report["methods"]["gc"]["grad_rel_error"] == 0.0
     assert report["config"]["model"] == model_dir
+
+
+def test_a_failing_method_is_marked_and_the_others_still_report(monkeypatch):
+    from hilore_verl.bench import methods as M
+
+    real_build = M.build
+
+    def build(name, *args, **kwargs):
+        if name == "int8_boundary":
+            raise RuntimeError("injected failure")
+        return real_build(name, *args, **kwargs)
+
+    monkeypatch.setattr(M, "build", build)
+    config = BenchConfig(hidden_size=128, num_layers=1, vocab_size=512, num_groups=1, group_size=4,
+                         max_response_len=32, rounds=1)
+    report = run_bench(config, methods=("no_gc", "gc", "int8_boundary"), sweep=False, peaks=False)
+    assert report["methods"]["int8_boundary"] == {"status": "failed", "error": "RuntimeError: injected failure"}
+    assert report["methods"]["gc"]["status"] == "ok" and "gc_overhead" in report["summary"]
+    assert "failed: RuntimeError: injected failure" in table(report)
