@@ -28,9 +28,20 @@ def _gpu_like_profile(real_profile):
     return profile
 
 
+def _train_step(engine, batch, rank, world_size, loss_fn):
+    """One verl train_batch on this rank's shard; returns verl's output and the full gradients."""
+    from hilore_verl.integration.engine import to_engine_batch
+
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+    with engine.train_mode():
+        out = engine.train_batch(td, loss_function=loss_fn)
+        grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
+    return out, grads
+
+
 def _compare(rank, world_size, model_dir, batch, risk_budget):
     import hilore_verl.integration.hilore_engine as hilore_engine
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
 
     hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
@@ -39,11 +50,7 @@ def _compare(rank, world_size, model_dir, batch, risk_budget):
     loss_fn = ppo_loss_fn(config)
 
     def step(engine):
-        td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
-        with engine.train_mode():
-            out = engine.train_batch(td, loss_function=loss_fn)
-            grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
-        return out, grads
+        return _train_step(engine, batch, rank, world_size, loss_fn)
 
     stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
     _, grads0 = step(stock)
@@ -82,7 +89,7 @@ def test_hilore_engine_against_stock_verl(tmp_path, risk_budget):
 
 def _save_and_resume(rank, world_size, model_dir, batch, ckpt_dir):
     import hilore_verl.integration.hilore_engine as hilore_engine
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
 
     profiles = []
@@ -96,9 +103,7 @@ def _save_and_resume(rank, world_size, model_dir, batch, ckpt_dir):
                                  engine_cls=HiLoReFSDPEngine, actor_config=config, hilore=section)
 
     def step(e):
-        td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
-        with e.train_mode():
-            e.train_batch(td, loss_function=ppo_loss_fn(config))
+        _train_step(e, batch, rank, world_size, ppo_loss_fn(config))
         return dict(e.controller.history[-1].plan)
 
     first = engine()
@@ -122,7 +127,7 @@ def test_checkpoint_keeps_the_controller_state(tmp_path):
 
 def _audit_and_oom(rank, world_size, model_dir, batch):
     import hilore_verl.integration.hilore_engine as hilore_engine
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
 
     hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
@@ -130,11 +135,7 @@ def _audit_and_oom(rank, world_size, model_dir, batch):
     loss_fn = ppo_loss_fn(config)  # no actor_config passed: the engine takes it from the bound loss
 
     def step(engine):
-        td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
-        with engine.train_mode():
-            out = engine.train_batch(td, loss_function=loss_fn)
-            grads = {n: p.grad.full_tensor() for n, p in engine.module.named_parameters()}
-        return out, grads
+        return _train_step(engine, batch, rank, world_size, loss_fn)
 
     stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
     _, exact = step(stock)

@@ -94,9 +94,9 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
         raise ValueError(f"the budget {controller.memory_budget / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
                          f"of the device: lower --budget (e.g. gib:{gpu_mem_gib * 0.9:.0f} or auto:2)")
     plan = controller.plan_for(tokens)
-    by_name = {u.name: u for u in costs.units}
-    chosen = {n: {o.name: o for o in costs.options(by_name[n], tokens)}[c] for n, c in plan.items()}
-    recompute = {n: {o.name: o for o in costs.options(by_name[n], tokens)}["recompute"] for n in plan}
+    options = {u.name: {o.name: o for o in costs.options(u, tokens)} for u in costs.units}
+    chosen = {n: options[n][c] for n, c in plan.items()}
+    recompute = {n: options[n]["recompute"] for n in plan}
     no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens)
     return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, controller.gc_peak / GIB, no_gc / GIB,
                   controller.memory_budget / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
