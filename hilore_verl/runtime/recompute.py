@@ -46,7 +46,7 @@ class Replay:
             self.child_count += 1
             for path, t in tensor_leaves((args, kwargs)):
                 self.child_inputs[("child_in", j, path)] = t.detach()
-            held = self.target.children[j].held_output
+            held = self.target.children[j]
         self.frames.append((module, held))
 
     def post(self) -> None:

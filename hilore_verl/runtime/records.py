@@ -1,11 +1,13 @@
 """What the runtime holds between forward and backward, and how a dropped tensor is regenerated.
 
 A saved tensor is held as one of:
-  - the tensor itself (KEEP, and everything the runtime does not manage);
-  - `Compressed`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it waits in
-    host memory);
+  - `Kept`: a detached alias of the tensor (KEEP, and everything the runtime does not manage);
+  - `Checked(Compressed)`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it
+    waits in host memory);
   - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
     tensor appears in that call (a locator); unpack re-runs the call once and hands out the result.
+Each checks on unpack that the tensor was not changed in place after it was saved, as autograd
+does for tensors saved without hooks, and raises autograd's error if it was.
 
 Locators, all relative to one call of a unit's module:
   ("own", n)          the n-th tensor saved by the module's own code (not inside a child unit's module)
@@ -49,8 +51,83 @@ def storage_id(t: torch.Tensor):
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    """One distinct view: storage, offset, shape, stride, dtype."""
-    return storage_id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+    """One distinct view at one version: storage, offset, shape, stride, dtype, version counter (a
+    tensor changed in place between two saves is two different saved values)."""
+    return storage_id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version
+
+
+def version_error(t: torch.Tensor | None, description: str, version: int, expected: int) -> RuntimeError:
+    """The error autograd raises for a saved tensor changed in place (hooks turn autograd's own check off)."""
+    what = f"{t.type()} {list(t.shape)}" if t is not None else description
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{what}] is at version {version}; expected version {expected} instead. Hint: enable anomaly "
+        f"detection to find the operation that failed to compute its gradient, with "
+        f"torch.autograd.set_detect_anomaly(True). (checked by hilore-verl's runtime)")
+
+
+class Kept:
+    """A saved tensor held as it is: a detached alias, which shares the tensor's storage and version
+    counter but not its autograd node. Returning the tensor itself from a pack hook ties the node
+    that saves a tensor to the tensor's own grad_fn (a cycle through C++ that Python's collector
+    cannot free: an abandoned graph would leak), and hooks switch autograd's version check off; both
+    are restored here."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor, alias: bool = True):
+        self.tensor = t.detach() if alias else t
+        self.version = t._version
+
+    def get(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise version_error(self.tensor, "", self.tensor._version, self.version)
+        return self.tensor
+
+
+class VersionWatch:
+    """The version counter of a tensor the runtime did not keep (compressed or dropped), watched
+    without holding its memory: a detached alias of the tensor's base lives exactly as long as the
+    base does, and the counter's last value is read when the base is freed. A change made through a
+    view that outlives its base is not seen."""
+
+    __slots__ = ("version", "box", "ref", "description")
+
+    def __init__(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        self.version = t._version
+        self.description = f"{t.dtype} {list(t.shape)}"
+        box = [base.detach(), None]  # [alias while the base lives, the counter's value when it died]
+
+        def freed(_ref, box=box):
+            box[1], box[0] = box[0]._version, None
+
+        self.box = box
+        self.ref = weakref.ref(base, freed)
+
+    def check(self) -> None:
+        alias, final = self.box
+        current = alias._version if alias is not None else final
+        if current != self.version:
+            raise version_error(None, self.description, current, self.version)
+
+
+class Checked:
+    """A compressed payload (or its offloaded copy) with the version watch of the tensor it holds."""
+
+    __slots__ = ("held", "watch")
+
+    def __init__(self, held: Any, watch: VersionWatch):
+        self.held = held
+        self.watch = watch
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.nbytes
+
+    def get(self) -> torch.Tensor:
+        self.watch.check()
+        return self.held.get()
 
 
 class LiveKeyMap:
@@ -96,27 +173,33 @@ class Compressed:
 class CallRecord:
     """One forward call of a unit's module: enough to run it again in backward and to find its tensors."""
 
-    __slots__ = ("module", "unit", "children", "inputs", "rng", "autocast", "own_count", "held_output",
-                 "regen", "pending")
+    __slots__ = ("module", "unit", "children", "inputs", "rng", "autocast", "own_count", "regen", "pending",
+                 "handles")
 
     def __init__(self, module: torch.nn.Module, unit: Any):
         self.module = module
         self.unit = unit
-        self.children: list[CallRecord] = []
+        # per direct child unit-module call, in call order: its output held for replay inside this call's
+        # recompute, or None. Not the child's record: a child holding a handle to this call (its input
+        # was produced here) would close a reference cycle that only Python's collector frees.
+        self.children: list[Any] = []
         self.inputs: tuple[tuple, dict] | None = None  # args / kwargs with tensors held (RECOMPUTE calls only)
         self.rng: dict | None = None
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.own_count = 0
-        self.held_output: Any = None  # for replay inside a recomputed parent call
         self.regen: dict | None = None  # locator -> regenerated tensor, while handles are pending
-        self.pending: dict = {}  # locator -> handles not yet unpacked
+        self.handles: dict = {}  # locator -> handles dropped for it in forward
+        self.pending: dict = {}  # locator -> handles not yet unpacked in this backward
 
-    def drop(self, locator: tuple, geometry: Geometry | None) -> "Dropped":
+    def drop(self, locator: tuple, geometry: Geometry | None, watch: "VersionWatch") -> "Dropped":
+        self.handles[locator] = self.handles.get(locator, 0) + 1
         self.pending[locator] = self.pending.get(locator, 0) + 1
-        return Dropped(self, locator, geometry)
+        return Dropped(self, locator, geometry, watch)
 
     def take(self, locator: tuple, recompute: Callable[["CallRecord"], dict]) -> torch.Tensor:
         if self.regen is None or locator not in self.regen:
+            if locator not in self.pending:  # a further backward through a retained graph: every handle again
+                self.pending = dict(self.handles)
             self.regen = recompute(self)
         t = self.regen[locator]
         left = self.pending.get(locator, 1) - 1
@@ -129,15 +212,17 @@ class CallRecord:
 
 
 class Dropped:
-    __slots__ = ("record", "locator", "geometry", "recompute")
+    __slots__ = ("record", "locator", "geometry", "recompute", "watch")
 
-    def __init__(self, record: CallRecord, locator: tuple, geometry: Geometry | None):
+    def __init__(self, record: CallRecord, locator: tuple, geometry: Geometry | None, watch: VersionWatch):
         self.record = record
         self.locator = locator
         self.geometry = geometry
+        self.watch = watch
         self.recompute: Callable[[CallRecord], dict] | None = None  # set by the runtime
 
     def get(self) -> torch.Tensor:
+        self.watch.check()
         return apply_geometry(self.record.take(self.locator, self.recompute), self.geometry)
 
 

@@ -8,11 +8,16 @@ Hooks, installed once by `attach` and removed by `detach`:
   - a thin `forward` wrapper on every unit module, which during a recompute returns the output
     held for a child call instead of running it again (selective recompute).
 
-Pack: parameters (and their views or casts), non-float, nested and small tensors pass through
-untouched. Everything else is handled by its producer unit's mode: KEEP returns the tensor,
-COMPRESS a quantized payload (non-finite tensors stay exact and are counted), RECOMPUTE a
-`Dropped` handle. Unpack: dequantize, or re-run the producing call once under its saved RNG
+Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
+are. Everything else is handled by its producer unit's mode: KEEP holds the tensor, COMPRESS a
+quantized payload (non-finite tensors stay exact and are counted), RECOMPUTE a `Dropped` handle.
+Unpack: check the tensor was not changed in place since it was saved (autograd's own check is off
+under saved-tensor hooks), then dequantize, or re-run the producing call once under its saved RNG
 state and autocast state, with held child outputs replayed, and hand out the regenerated tensor.
+
+A forward runs under the plan in force when it started (`set_plan` during a forward applies to the
+next one). A forward or backward that raises leaves the runtime ready for the next step; what it
+held is freed with its graph (nothing the runtime holds ties a graph to itself).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
-from hilore_verl.runtime.records import (CallRecord, Compressed, LiveKeyMap, geometry_of, map_tensors,
-                                         storage_id, storage_key, tensor_leaves)
+from hilore_verl.runtime.records import (CallRecord, Checked, Compressed, Kept, LiveKeyMap, VersionWatch,
+                                         geometry_of, map_tensors, storage_id, storage_key, tensor_leaves)
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
@@ -49,6 +54,12 @@ class RuntimeConfig:
     """Base seed of stochastic rounding; each compressed tensor's seed also depends on the forward count
     and its position, so a run is reproducible from this seed."""
 
+    def __post_init__(self):
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"RuntimeConfig.min_bytes: got {self.min_bytes!r}; valid: an integer >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"RuntimeConfig.seed: got {self.seed!r}; valid: an integer")
+
 
 @dataclass
 class _Entry:
@@ -61,7 +72,9 @@ class _Entry:
 
 @dataclass
 class _Forward:
-    """State of one grad-enabled forward of the root module."""
+    """State of one grad-enabled forward of the root module (or of `tracking` / a standalone `call`)."""
+    plans: list[UnitPlan]  # the plan in force when the forward started
+    owner: str = "root"
     frames: list[CallRecord] = field(default_factory=list)
     registry: dict[int, _Entry] = field(default_factory=dict)
     compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
@@ -96,6 +109,7 @@ class Runtime:
         self._fwd: _Forward | None = None
         self._hook_ctx: ExitStack | None = None
         self._replay: Replay | None = None
+        self._rehooked = False  # unit hooks re-installed for a recompute after detach
         self._pools: dict[torch.device, OffloadPool] = {}
         self._forwards = 0  # grad-enabled forwards so far: part of each stochastic-rounding seed
         self._compressions = 0
@@ -124,8 +138,18 @@ class Runtime:
         """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored."""
         return self._last
 
+    def reset(self) -> None:
+        """Abandon a forward that did not finish (an exception mid-forward): the next forward starts
+        clean. Graphs already built keep what they hold and can still run backward."""
+        if self._hook_ctx is not None:
+            self._hook_ctx.close()
+            self._hook_ctx = None
+        self._fwd = None
+        self._replay = None
+
     def detach(self) -> None:
-        """Remove every hook and wrapper and restore HF gradient checkpointing as it was."""
+        """Remove every hook and wrapper and restore HF gradient checkpointing as it was. A graph
+        built before still runs backward (its recomputes re-install the unit hooks for their run)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -140,10 +164,7 @@ class Runtime:
             if func is not None:
                 module._gradient_checkpointing_func = func
         self._gc_state.clear()
-        if self._hook_ctx is not None:
-            self._hook_ctx.close()
-            self._hook_ctx = None
-        self._fwd = None
+        self.reset()
         self.attached = False
         _ATTACHED.discard(self.model)
 
@@ -153,12 +174,36 @@ class Runtime:
         root_pre = self.model.register_forward_pre_hook(self._root_pre)
         self._handles.append(root_pre)
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
-        for module in self._module_unit:
-            self._handles.append(module.register_forward_pre_hook(self._unit_pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._unit_post, with_kwargs=True, always_call=True))
-            self._forward_attrs.append((module, module.__dict__.get("forward")))
-            module.forward = self._replaying_forward(module, module.forward)
+        self._install_unit_hooks(self._handles, self._forward_attrs)
         self.attached = True
+
+    def _install_unit_hooks(self, handles: list, forward_attrs: list) -> None:
+        for module in self._module_unit:
+            handles.append(module.register_forward_pre_hook(self._unit_pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._unit_post, with_kwargs=True, always_call=True))
+            forward_attrs.append((module, module.__dict__.get("forward")))
+            module.forward = self._replaying_forward(module, module.forward)
+
+    @contextlib.contextmanager
+    def _unit_hooks_for_recompute(self):
+        """After `detach`, a graph built before still needs the unit hooks while a recompute runs."""
+        if self.attached or self._rehooked:  # attached, or an outer recompute installed them
+            yield
+            return
+        handles, forward_attrs = [], []
+        self._install_unit_hooks(handles, forward_attrs)
+        self._rehooked = True
+        try:
+            yield
+        finally:
+            self._rehooked = False
+            for handle in handles:
+                handle.remove()
+            for module, previous in reversed(forward_attrs):
+                if previous is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
 
     def _take_over_gradient_checkpointing(self) -> None:
         """HF checkpointing would hide a managed layer's saved tensors from the runtime: switch it off there."""
@@ -185,25 +230,26 @@ class Runtime:
     # ------------------------------------------------------------------ forward hooks
     def _root_pre(self, module, args):
         if torch.is_grad_enabled() and self._replay is None and self._fwd is None:
-            self._open_forward()
+            self._open_forward("root")
 
     def _root_post(self, module, args, output):
-        if self._hook_ctx is not None and self._replay is None:
+        if self._fwd is not None and self._fwd.owner == "root" and self._replay is None:
             self._close_forward(merge=False)
 
-    def _open_forward(self) -> None:
+    def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self._compressions = 0
-        self._fwd = _Forward(stats=StepStats.empty(self.units))
+        self._fwd = _Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
 
     def _close_forward(self, merge: bool) -> None:
-        self._hook_ctx.close()
-        self._hook_ctx = None
-        summary = self._fwd.stats.summary(self._plans)  # now, while the held tensors are alive
-        self._last = self._last.merged(summary) if merge else summary
-        self._fwd = None
+        fwd = self._fwd
+        try:
+            summary = fwd.stats.summary(fwd.plans)  # now, while the held tensors are alive
+            self._last = self._last.merged(summary) if merge else summary
+        finally:
+            self.reset()
 
     def _unit_pre(self, module, args, kwargs):
         if self._replay is not None:
@@ -225,12 +271,12 @@ class Runtime:
         child_index = None
         if parent is not None:
             child_index = len(parent.children)
-            parent.children.append(record)
+            parent.children.append(None)
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
                 self._register(t, parent.unit if parent else None, parent,
                                ("child_in", child_index, path) if parent else None)
-        if self._plans[unit.index].mode == Mode.RECOMPUTE:
+        if fwd.plans[unit.index].mode == Mode.RECOMPUTE:
             record.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self._hold(t), t.requires_grad))
             record.rng = rng_state((args, kwargs))
             record.autocast = autocast_state()
@@ -238,15 +284,18 @@ class Runtime:
 
     def _exit(self, fn, output) -> None:
         fwd = self._fwd
-        record = fwd.frames.pop()
-        assert record.module is fn, "unbalanced unit frames"
+        depth = next((i for i in range(len(fwd.frames) - 1, -1, -1) if fwd.frames[i].module is fn), None)
+        if depth is None:  # its pre-hook failed before the frame opened; the forward is failing
+            return
+        record = fwd.frames[depth]
+        del fwd.frames[depth:]  # frames above it belong to calls an exception cut short
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES and not t.is_nested:
                 self._register(t, record.unit, record, ("out", path))
         parent = fwd.frames[-1] if fwd.frames else None
-        if (parent is not None and self._plans[parent.unit.index].mode == Mode.RECOMPUTE
-                and self._plans[record.unit.index].mode != Mode.RECOMPUTE):
-            record.held_output = map_tensors(output, lambda t: HeldInput(self._hold(t), t.requires_grad))
+        if (parent is not None and fwd.plans[parent.unit.index].mode == Mode.RECOMPUTE
+                and fwd.plans[record.unit.index].mode != Mode.RECOMPUTE):
+            parent.children[-1] = map_tensors(output, lambda t: HeldInput(self._hold(t), t.requires_grad))
 
     @contextlib.contextmanager
     def tracking(self):
@@ -255,7 +304,7 @@ class Runtime:
         if self._fwd is not None or not torch.is_grad_enabled():
             yield
             return
-        self._open_forward()
+        self._open_forward("tracking")
         try:
             yield
         finally:
@@ -272,7 +321,7 @@ class Runtime:
             return fn(*args, **kwargs)
         standalone = self._fwd is None
         if standalone:
-            self._open_forward()
+            self._open_forward("call")
         try:
             self._enter(fn, unit, args, kwargs)
             output = None
@@ -314,11 +363,11 @@ class Runtime:
             own_index = frame.own_count
             frame.own_count += 1
         if t.is_nested:
-            return t
+            return Kept(t)
         parameter = _is_parameter_like(t)
         if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
             fwd.stats.add_unmanaged(t, parameter)
-            return t
+            return Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
         entry = self._lookup(t)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
@@ -329,18 +378,18 @@ class Runtime:
             unit = None
         if unit is None:
             fwd.stats.add_unmanaged(t, False)
-            return t
+            return Kept(t)
         return self._store(t, unit, record, locator, geometry, fwd)
 
     def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
         """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
         only to re-run a call later; counted as held, not saved)."""
-        plan = self._plans[unit.index]
+        plan = fwd.plans[unit.index]
         key = storage_key(t)
         count = fwd.stats.add if saved else fwd.stats.add_held
         if plan.mode == Mode.KEEP:
             count(unit, key, t, stored=t.numel() * t.element_size())
-            return t
+            return Kept(t)
         if plan.mode == Mode.COMPRESS:
             held = fwd.compressed.get(key)
             if held is None:
@@ -348,13 +397,13 @@ class Runtime:
                 if payload is None or payload.has_nonfinite:  # kept exact, and counted
                     count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=payload is not None,
                           incompressible=payload is None)
-                    return t
-                held = (self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
-                        else Compressed(payload, t.shape))
+                    return Kept(t)
+                held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
+                               else Compressed(payload, t.shape), VersionWatch(t))
                 fwd.compressed.put(key, t, held)
             count(unit, key, t, stored=held.nbytes)
             return held
-        handle = record.drop(locator, geometry)
+        handle = record.drop(locator, geometry, VersionWatch(t))
         handle.recompute = self._recompute
         count(unit, key, t, stored=0)
         return handle
@@ -384,7 +433,7 @@ class Runtime:
         entry = self._lookup(t) if self._managed(t) else None
         if entry is None or entry.unit is None or entry.record is None:
             self._fwd.stats.add_unmanaged_held(t)
-            return t
+            return Kept(t, alias=not isinstance(t, nn.Parameter))
         return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
                            saved=False)
 
@@ -393,7 +442,8 @@ class Runtime:
         replay = Replay(record)
         outer, self._replay = self._replay, replay
         try:
-            return rerun(record, replay, self._pack, _unpack)
+            with self._unit_hooks_for_recompute():
+                return rerun(record, replay, self._pack, _unpack)
         finally:
             self._replay = outer
 
