@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 
@@ -116,7 +118,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hilore-verl", description="HiLoRe activation memory manager for verl.")
+    parser = _Parser(prog="hilore-verl", description="HiLoRe activation memory manager for verl.")
     from hilore_verl import __version__
 
     parser.add_argument("--version", action="version", version=f"hilore-verl {__version__}")
@@ -126,18 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short GRPO run on CPU through verl's FSDP2 engine: HiLoRe next to verl's GC")
     demo.add_argument("--steps", type=_positive, default=12, help="GRPO steps per arm (default 12)")
     demo.add_argument("--arms", default="hilore,gc", help="comma-separated: hilore, gc (default both)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--json", metavar="PATH", help="also write the per-step records as JSON")
+    demo.add_argument("--seed", type=_seed, default=0, help="policy weights, prompts and sampling (default 0)")
+    demo.add_argument("--json", metavar="PATH", type=_output_path, help="also write the per-step records as JSON")
     demo.set_defaults(func=_demo)
     plan = sub.add_parser("plan", help="the per-unit plan for a model on a GPU, from its config alone (no GPU)")
     plan.add_argument("--model", required=True,
                       help="a preset (e.g. qwen2.5-7b, llama-3-8b; see docs/config.md) or a HF model directory")
-    plan.add_argument("--gpu-mem-gib", type=float, default=80.0, help="device memory per GPU (default 80)")
+    plan.add_argument("--gpu-mem-gib", type=_number(0.0, inclusive=False), default=80.0,
+                      help="device memory per GPU, a finite number > 0 (default 80)")
     plan.add_argument("--micro-batch-tokens", type=_positive, default=16384, help="tokens per micro-batch (default 16384)")
     plan.add_argument("--seq-len", type=_positive, default=None, help="typical sequence length (default: the micro-batch)")
     plan.add_argument("--gpus", type=_positive, default=8, help="FSDP ranks sharding the model (default 8)")
     plan.add_argument("--budget", default="gc_ratio:1.10", help="gc_ratio:X, gib:X or auto[:headroom GiB] (default gc_ratio:1.10)")
-    plan.add_argument("--json", metavar="PATH", help="also write the plan and the figures as JSON")
+    plan.add_argument("--json", metavar="PATH", type=_output_path, help="also write the plan and the figures as JSON")
     plan.set_defaults(func=_plan)
     bench = sub.add_parser("bench", help="HiLoRe against GC, offload, boundary compression and a keep/recompute "
                                          "planner on one GRPO actor update, side by side")
@@ -152,26 +155,91 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--groups", type=_positive, default=2, help="prompts per mini-batch (default 2)")
     bench.add_argument("--group-size", type=_positive, default=8, help="responses per prompt (default 8)")
     bench.add_argument("--response-len", type=_positive, default=64, help="longest response (default 64)")
-    bench.add_argument("--risk-budget", type=float, default=0.01, help="HiLoRe's risk budget (default 0.01)")
+    bench.add_argument("--risk-budget", type=_number(0.0, inclusive=True), default=0.01,
+                       help="HiLoRe's risk budget, a finite number >= 0 (default 0.01)")
     bench.add_argument("--no-sweep", action="store_true", help="skip the planners' budget sweep")
     bench.add_argument("--no-peaks", action="store_true", help="skip the per-method peak-memory processes")
-    bench.add_argument("--json", metavar="PATH", help="write the report as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="write throughput against peak memory as PNG")
-    bench.add_argument("--append", metavar="PATH", help="append this run (date, command, summary, per-method figures) "
-                                                        "as one JSON line")
+    bench.add_argument("--json", metavar="PATH", type=_output_path, help="write the report as JSON")
+    bench.add_argument("--plot", metavar="PATH", type=_output_path, help="write throughput against peak memory as PNG")
+    bench.add_argument("--append", metavar="PATH", type=_output_path,
+                       help="append this run (date, command, summary, per-method figures) as one JSON line")
     bench.set_defaults(func=_bench)
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parse error is one line on stderr and exit code 2, like every other bad-input error of the command."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _positive(value: str) -> int:
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
     return n
+
+
+def _seed(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value!r}")
+    return n
+
+
+def _number(low: float, inclusive: bool):
+    """A finite float above `low` (or equal to it when inclusive): nan, inf and out-of-range fail at parse time."""
+
+    def number(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            x = math.nan
+        if not math.isfinite(x) or x < low or (x == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>=' if inclusive else '>'} {low:g}, "
+                                             f"got {value!r}")
+        return x
+
+    return number
+
+
+def _output_path(value: str) -> str:
+    """A file written at the end of the run, checked now so that a bad path fails before the work, not after
+    it: not a folder, and its nearest existing folder writable (`main` creates the missing ones)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file path")
+    existing = os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot write {value!r}: {existing!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {value!r}: permission denied")
+    return path if value.startswith("~") else value
+
+
+OUTPUTS = ("json", "plot", "append")  # the options that name files written at the end
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for key in OUTPUTS:  # checked by _output_path; their missing folders are made before any work
+        path = getattr(args, key, None)
+        try:
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        except OSError as err:
+            print(f"hilore-verl {args.command}: cannot create the folder of --{key} {path!r}: {err.strerror}",
+                  file=sys.stderr)
+            return 2
     return args.func(args)
 
 

@@ -12,6 +12,7 @@ wrong types and out-of-range values raise ValueError naming the key and what is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -28,7 +29,8 @@ class HiLoReConfig:
     risk_budget: float = 0.01
     """Allowed predicted relative gradient error per mini-batch; 0 allows only keep / recompute."""
     formats: tuple[str, ...] = FORMATS
-    """Compression formats the planner may use."""
+    """Compression formats the planner may use: one or more of int8, fp8, int4, no repeats (risk_budget 0
+    forbids compression; an empty list is refused)."""
     group_size: int = 64
     """Elements per quantization scale."""
     offload: bool = False
@@ -50,9 +52,10 @@ class HiLoReConfig:
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "HiLoReConfig":
-        section = _plain(section or {})
-        if not isinstance(section, dict):
-            raise ValueError(f"hilore: expected a mapping of settings, got {type(section).__name__}")
+        section = {} if section is None else _plain(section)
+        if not isinstance(section, dict):  # "", 0, false, [] are mistakes too, not an empty section
+            raise ValueError(f"hilore: expected a mapping of settings (or null for the defaults), "
+                             f"got {type(section).__name__} {section!r}")
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(section) - set(valid))
         if unknown:
@@ -76,10 +79,8 @@ class HiLoReConfig:
         _check_int("seed", self.seed, "any integer", lambda v: True)
         _check_int("oom_retries", self.oom_retries, ">= 0", lambda v: v >= 0)
         _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
-        if not isinstance(self.budget, BudgetConfig):
-            object.__setattr__(self, "budget", _budget(self.budget))
-        if not isinstance(self.formats, tuple):
-            object.__setattr__(self, "formats", _formats(self.formats))
+        object.__setattr__(self, "budget", _budget(self.budget))
+        object.__setattr__(self, "formats", _formats(self.formats))  # a tuple is checked too
 
 
 def _plain(value):
@@ -94,6 +95,7 @@ def _plain(value):
 
 
 def _budget(value) -> BudgetConfig:
+    value = _plain(value)
     if isinstance(value, BudgetConfig):
         return value
     if not isinstance(value, Mapping):
@@ -109,10 +111,21 @@ def _budget(value) -> BudgetConfig:
 
 
 def _formats(value) -> tuple[str, ...]:
+    """A list (or one name) of formats; a mapping, a number or an empty list is an error, not a guess."""
+    value = _plain(value)
+    if not isinstance(value, (str, list, tuple)):
+        raise ValueError(f"hilore.formats: expected a list of formats, some of {', '.join(FORMATS)}; "
+                         f"got {type(value).__name__} {value!r}")
     items = [value] if isinstance(value, str) else list(value)
-    bad = [f for f in items if f not in FORMATS]
+    if not items:
+        raise ValueError(f"hilore.formats: empty; list at least one of {', '.join(FORMATS)} "
+                         "(to forbid compression, set risk_budget: 0)")
+    bad = [f for f in items if not isinstance(f, str) or f not in FORMATS]
     if bad:
         raise ValueError(f"hilore.formats: unknown format {bad[0]!r}; valid: {', '.join(FORMATS)}")
+    twice = [f for i, f in enumerate(items) if f in items[:i]]
+    if twice:
+        raise ValueError(f"hilore.formats: {twice[0]!r} is listed twice; list each format once")
     return tuple(items)
 
 
@@ -122,8 +135,10 @@ def _check_type(key, value, kind) -> None:
 
 
 def _check_number(key, value, valid, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"hilore.{key}: got {value!r}; valid: a number {valid}")
+    """int or float (never bool, never a str), finite, and in range."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or not ok(value)):
+        raise ValueError(f"hilore.{key}: got {value!r}; valid: a finite number {valid}")
 
 
 def _check_int(key, value, valid, ok) -> None:

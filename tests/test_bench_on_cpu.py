@@ -92,3 +92,40 @@ def test_a_failing_method_is_marked_and_the_others_still_report(monkeypatch):
     assert report["methods"]["int8_boundary"] == {"status": "failed", "error": "RuntimeError: injected failure"}
     assert report["methods"]["gc"]["status"] == "ok" and "gc_overhead" in report["summary"]
     assert "failed: RuntimeError: injected failure" in table(report)
+
+
+def _no_work(args):
+    raise AssertionError("the bench started its work")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--risk-budget", "-1"], "--risk-budget: expected a finite number >= 0, got '-1'"),
+    (["--risk-budget", "nan"], "--risk-budget: expected a finite number >= 0, got 'nan'"),
+    (["--risk-budget", "inf"], "--risk-budget: expected a finite number >= 0, got 'inf'"),
+    (["--rounds", "0"], "--rounds: expected an integer >= 1, got '0'"),
+    (["--hidden", "2.5"], "--hidden: expected an integer >= 1, got '2.5'"),
+    (["--json", "{file}/report.json"], "--json: cannot write"),
+    (["--plot", "{file}/plot.png"], "--plot: cannot write"),
+    (["--append", "{file}/runs.jsonl"], "--append: cannot write"),
+    (["--json", "{dir}"], "--json: '{dir}' is a folder"),
+])
+def test_cli_bad_options_fail_at_parse_time_in_one_line(args, message, tmp_path, monkeypatch, capsys):
+    from hilore_verl import cli
+
+    (tmp_path / "a_file").write_text("")
+    fill = {"file": str(tmp_path / "a_file"), "dir": str(tmp_path)}
+    monkeypatch.setattr(cli, "_bench", _no_work)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *(a.format(**fill) for a in args)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(**fill) in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_output_folders_are_created_before_the_run(tmp_path, monkeypatch):
+    from hilore_verl import cli
+
+    outputs = [tmp_path / "a" / "b" / "report.json", tmp_path / "c" / "plot.png", tmp_path / "d" / "runs.jsonl"]
+    seen = []
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append([p.parent.is_dir() for p in outputs]) or 0)
+    argv = ["bench", "--json", str(outputs[0]), "--plot", str(outputs[1]), "--append", str(outputs[2])]
+    assert cli.main(argv) == 0 and seen == [[True, True, True]]

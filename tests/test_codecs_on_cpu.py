@@ -43,6 +43,40 @@ def test_round_trip_error_bound_and_sqnr(shape, group_size, fmt, dtype):
         assert sqnr_db(x, y) >= SQNR_FLOOR_DB[fmt]
 
 
+
+def _extremes(dtype):
+    """Rows at the dtype's largest finite magnitudes (+-max, just below, mixed with small values)."""
+    big = torch.finfo(dtype).max
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3)).clamp(-1, 1) * big
+    x[0], x[1, ::2], x[2, ::2] = big, -big, big
+    x[3, 0], x[4, 64] = -big, big
+    x[5] = torch.finfo(dtype).tiny * torch.arange(1, 129)  # the small end: normal, near the minimum
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_values_up_to_the_dtype_max_decode_finite_within_the_bound(fmt, dtype, stochastic):
+    x = _extremes(dtype)
+    y = quantize(x, fmt, 64, stochastic=stochastic, seed=1).dequantize()
+    assert torch.isfinite(y).all(), (fmt, dtype)  # int8 at FLT_MAX overflowed to inf: 127 x (FLT_MAX / 127)
+    err = (y.float() - x.float()).abs()
+    step = _group_absmax(x, 64) / QMAX[fmt] * (1 if stochastic else 0.5)
+    bound = x.float().abs() * 2**-4 * (2 if stochastic else 1) + step * 2**-9 if fmt == "fp8" else step
+    rel = {torch.float32: 2**-23, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+    assert (err <= bound * (1 + 1e-5) + y.float().abs() * rel).all()
+    assert (y[0].float() == torch.finfo(dtype).max).all()  # +-max itself is a code times the scale, exactly
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_mixed_values_up_to_the_dtype_max_decode_finite(dtype):
+    x = _extremes(dtype)
+    y = dequantize_rows(quantize_rows(x, torch.tensor([1, 2, 0, 1, 2, 1], dtype=torch.int8), 64))
+    assert torch.isfinite(y).all()
+    assert (y[0].float() == torch.finfo(dtype).max).all()
+
+
 def test_fp8_encoding_is_torchs_e4m3fn_cast():
     g = torch.Generator().manual_seed(1)
     y = torch.cat([torch.randn(50000, generator=g) * 100, torch.randn(5000, generator=g) * 0.01,

@@ -25,7 +25,7 @@ def test_hydra_containers_are_accepted():
 @pytest.mark.parametrize("section, message", [
     ({"enabel": True}, "hilore.enabel: unknown key; valid keys: enable, budget"),
     ({"enable": "yes"}, "hilore.enable: expected bool, got 'yes'"),
-    ({"risk_budget": -0.1}, r"hilore.risk_budget: got -0.1; valid: a number >= 0"),
+    ({"risk_budget": -0.1}, r"hilore.risk_budget: got -0.1; valid: a finite number >= 0"),
     ({"group_size": 48}, r"hilore.group_size: got 48; valid: an integer one of \(32, 64, 128\)"),
     ({"formats": ["int8", "int2"]}, "hilore.formats: unknown format 'int2'; valid: int8, fp8, int4"),
     ({"budget": {"mode": "ratio", "value": 1.1}}, "hilore.budget: unknown budget mode 'ratio'"),
@@ -33,9 +33,74 @@ def test_hydra_containers_are_accepted():
     ({"budget": {"mode": "gib", "valu": 3}}, "hilore.budget.valu: unknown key; valid keys: mode, value"),
     ({"budget": 1.1}, r"hilore.budget: expected \{mode: ..., value: ...\}"),
     ({"audit_every": 2.5}, r"hilore.audit_every: got 2.5; valid: an integer >= 0"),
-    ({"audit_tolerance": 1.0}, r"hilore.audit_tolerance: got 1.0; valid: a number > 1"),
+    ({"audit_tolerance": 1.0}, r"hilore.audit_tolerance: got 1.0; valid: a finite number > 1"),
     ({"min_bytes": True}, r"hilore.min_bytes: got True; valid: an integer >= 0"),
 ])
 def test_bad_sections_name_the_key_and_the_valid_range(section, message):
     with pytest.raises(ValueError, match=message):
         HiLoReConfig.from_dict(section)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget: budget value must be > 0 .* and finite, got nan"),
+    ({"budget": {"mode": "gc_ratio", "value": INF}}, "hilore.budget: budget value must be > 0 .* and finite, got inf"),
+    ({"budget": {"mode": "auto", "value": -INF}}, "hilore.budget: budget value must be > 0"),
+    ({"budget": {"mode": "gib", "value": True}}, "hilore.budget: budget value must be a number, got True"),
+    ({"risk_budget": INF}, "hilore.risk_budget: got inf; valid: a finite number >= 0"),
+    ({"risk_budget": NAN}, "hilore.risk_budget: got nan; valid: a finite number >= 0"),
+    ({"risk_budget": "0.01"}, "hilore.risk_budget: got '0.01'; valid: a finite number >= 0"),
+    ({"risk_budget": False}, "hilore.risk_budget: got False"),
+    ({"audit_tolerance": NAN}, "hilore.audit_tolerance: got nan; valid: a finite number > 1"),
+    ({"audit_tolerance": INF}, "hilore.audit_tolerance: got inf"),
+    ({"formats": {"int8": 1}}, "hilore.formats: expected a list of formats, some of int8, fp8, int4; got dict"),
+    ({"formats": 5}, "hilore.formats: expected a list of formats.*got int 5"),
+    ({"formats": []}, r"hilore.formats: empty; list at least one of int8, fp8, int4 \(to forbid compression, set "
+                      r"risk_budget: 0\)"),
+    ({"formats": ["int8", "fp8", "int8"]}, "hilore.formats: 'int8' is listed twice"),
+    ({"formats": [8]}, "hilore.formats: unknown format 8"),
+    ({"group_size": 64.0}, "hilore.group_size: got 64.0; valid: an integer"),
+    ({"seed": 1.5}, "hilore.seed: got 1.5; valid: an integer"),
+])
+def test_non_finite_and_mistyped_values_name_the_key(section, message):
+    with pytest.raises(ValueError, match=message):
+        HiLoReConfig.from_dict(section)
+
+
+@pytest.mark.parametrize("section", ["", 0, False, [], "enable", 1, ["enable"]])
+def test_a_section_that_is_not_a_mapping_is_refused(section):
+    with pytest.raises(ValueError, match=r"hilore: expected a mapping of settings \(or null for the defaults\), got "):
+        HiLoReConfig.from_dict(section)
+
+
+def test_empty_mappings_and_ints_for_float_keys_are_fine():
+    assert HiLoReConfig.from_dict({}) == HiLoReConfig() == HiLoReConfig.from_dict(OmegaConf.create({}))
+    cfg = HiLoReConfig.from_dict({"risk_budget": 0, "audit_tolerance": 3, "budget": {"mode": "auto", "value": 0},
+                                  "formats": "fp8"})
+    assert cfg.risk_budget == 0 and cfg.audit_tolerance == 3 and cfg.formats == ("fp8",)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"risk_budget": INF}, "hilore.risk_budget: got inf"),
+    ({"audit_tolerance": NAN}, "hilore.audit_tolerance: got nan"),
+    ({"formats": ("int8", "int3")}, "hilore.formats: unknown format 'int3'"),
+    ({"formats": ("int8", "int8")}, "hilore.formats: 'int8' is listed twice"),
+    ({"formats": ()}, "hilore.formats: empty"),
+    ({"formats": {"int8": 1}}, "hilore.formats: expected a list of formats"),
+    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget: budget value must be > 0 .* and finite, got nan"),
+    ({"budget": 40}, r"hilore.budget: expected \{mode: ..., value: ...\}"),
+    ({"group_size": 64.0}, "hilore.group_size: got 64.0"),
+    ({"enable": 1}, "hilore.enable: expected bool, got 1"),
+])
+def test_direct_construction_is_checked_too(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HiLoReConfig(**kwargs)
+    assert HiLoReConfig(formats=["int4", "int8"]).formats == ("int4", "int8")
+
+
+@pytest.mark.parametrize("mode, value", [("gib", NAN), ("gc_ratio", INF), ("auto", INF), ("auto", -1), ("gib", 0)])
+def test_budget_config_rejects_non_finite_and_out_of_range_values(mode, value):
+    with pytest.raises(ValueError, match="budget value must be > 0 .* and finite"):
+        BudgetConfig(mode, value)

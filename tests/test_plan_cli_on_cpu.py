@@ -61,3 +61,56 @@ def test_bad_input_is_one_line(args, message):
                           timeout=600)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _no_work(args):
+    raise AssertionError("the command started its work")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "nan"],
+     "--gpu-mem-gib: expected a finite number > 0, got 'nan'"),
+    (["plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "inf"], "--gpu-mem-gib: expected a finite number > 0"),
+    (["plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "-1"], "--gpu-mem-gib: expected a finite number > 0"),
+    (["plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "0"], "--gpu-mem-gib: expected a finite number > 0"),
+    (["plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "lots"], "--gpu-mem-gib: expected a finite number > 0"),
+    (["plan", "--model", "qwen2.5-0.5b", "--gpus", "0"], "--gpus: expected an integer >= 1, got '0'"),
+    (["plan", "--model", "qwen2.5-0.5b", "--micro-batch-tokens", "1e3"], "--micro-batch-tokens: expected an integer"),
+    (["demo", "--steps", "0"], "--steps: expected an integer >= 1"),
+    (["demo", "--seed", "-1"], "--seed: expected an integer in [0, 2**63)"),
+])
+def test_bad_numbers_fail_at_parse_time_in_one_line(args, message, monkeypatch, capsys):
+    from hilore_verl import cli
+
+    monkeypatch.setattr(cli, "_plan", _no_work)
+    monkeypatch.setattr(cli, "_demo", _no_work)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", [["plan", "--model", "qwen2.5-0.5b"], ["demo"]])
+def test_json_under_a_file_or_onto_a_folder_fails_at_parse_time(command, tmp_path, monkeypatch, capsys):
+    from hilore_verl import cli
+
+    monkeypatch.setattr(cli, "_plan", _no_work)
+    monkeypatch.setattr(cli, "_demo", _no_work)
+    (tmp_path / "a_file").write_text("")
+    for path, message in ((tmp_path / "a_file" / "out.json", "is not a folder"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*command, "--json", str(path)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "--json: " in err and message in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_json_into_a_missing_folder_creates_it_before_the_work(tmp_path, capsys):
+    from hilore_verl import cli
+
+    out = tmp_path / "new" / "deeper" / "plan.json"
+    assert cli.main(["plan", "--model", "qwen2.5-0.5b", "--micro-batch-tokens", "1024", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["gpu_mem_gib"] == 80
+    missing = tmp_path / "other" / "plan.json"
+    assert cli.main(["plan", "--model", "qwen9-1t", "--json", str(missing)]) == 2  # bad model: found after parsing
+    assert missing.parent.is_dir() and not missing.exists()

@@ -337,3 +337,37 @@ def test_steps_leave_no_tensor_behind(plan):
         counts.append(live_tensors())
     assert counts[1] == counts[2] == counts[3], counts
     rt.detach()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": Mode.COMPRESS, "fmt": "int8", "group_size": 64.0}, r"UnitPlan.group_size: got 64.0; valid: an integer"),
+    ({"mode": Mode.COMPRESS, "fmt": "int8", "group_size": True}, r"UnitPlan.group_size: got True"),
+    ({"group_size": 64.0}, r"UnitPlan.group_size: got 64.0"),
+    ({"mode": Mode.COMPRESS, "fmt": "int8", "offload": "no"}, r"UnitPlan.offload: got 'no'; valid: True or False"),
+    ({"offload": "no"}, r"UnitPlan.offload: got 'no'"),
+    ({"mode": Mode.COMPRESS, "fmt": "int8", "stochastic": 1}, r"UnitPlan.stochastic: got 1; valid: True or False"),
+    ({"mode": "int8"}, r"UnitPlan.mode: got 'int8'; valid: a Mode or one of keep, compress, recompute"),
+    ({"mode": 1}, r"UnitPlan.mode: got 1"),
+    ({"mode": "compress", "fmt": "int3"}, r"unknown compression format 'int3'"),
+])
+def test_unit_plan_checks_types(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UnitPlan(**kwargs)
+
+
+def test_unit_plan_takes_a_mode_or_its_string_value():
+    assert UnitPlan("compress", "int8") == UnitPlan(Mode.COMPRESS, "int8") and UnitPlan("keep").mode is Mode.KEEP
+    assert UnitPlan("recompute").mode is Mode.RECOMPUTE and str(UnitPlan("recompute")) == "recompute"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_bytes": -5}, r"RuntimeConfig.min_bytes: got -5; valid: an integer >= 0"),
+    ({"min_bytes": 1024.0}, r"RuntimeConfig.min_bytes: got 1024.0"),
+    ({"min_bytes": True}, r"RuntimeConfig.min_bytes: got True"),
+    ({"seed": 1.5}, r"RuntimeConfig.seed: got 1.5; valid: an integer"),
+    ({"seed": "7"}, r"RuntimeConfig.seed: got '7'"),
+])
+def test_runtime_config_checks_its_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hilore_verl.RuntimeConfig(**kwargs)
+    assert hilore_verl.RuntimeConfig(min_bytes=0, seed=-3).min_bytes == 0

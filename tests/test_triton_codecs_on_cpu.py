@@ -67,6 +67,25 @@ def test_zero_and_non_finite_groups_match_the_reference():
         assert same_bits(triton_codec.dequantize(out).cpu(), reference.dequantize(ref))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's product, saturated
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_values_up_to_the_dtype_max_match_the_reference_and_decode_finite(dtype):
+    from hilore_verl.kernels import triton_codec, triton_rows
+
+    big = torch.finfo(dtype).max
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).clamp(-1, 1) * big
+    x[0], x[1, ::2], x[2, 3] = big, -big, -big
+    x = x.to(dtype).to(DEVICE)
+    for fmt in FORMATS:
+        ref, out = reference.quantize(x.cpu(), fmt, 64), triton_codec.quantize(x, fmt, 64)
+        y = triton_codec.dequantize(out).cpu()
+        assert same_bits(out.codes.cpu(), ref.codes) and same_bits(out.scales.cpu(), ref.scales)
+        assert same_bits(y, reference.dequantize(ref)) and torch.isfinite(y).all(), fmt
+    row_fmt = torch.tensor([1, 2, 0, 1, 2], dtype=torch.int8)
+    y = triton_rows.dequantize_rows(triton_rows.quantize_rows(x, row_fmt.to(DEVICE), 64)).cpu()
+    assert same_bits(y, rows.dequantize_rows(rows.quantize_rows(x.cpu(), row_fmt, 64))) and torch.isfinite(y).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_row_mixed_kernels_match_the_reference(dtype):
     from hilore_verl.kernels import triton_rows

@@ -8,7 +8,9 @@ along the last dim (D must be a multiple). Per group, in fp32:
     int8  code = round_half_even(y)              int8 in [-127, 127]
     int4  code = round_half_even(y) + 8          in [1, 15], two per byte, even column in the low nibble
     fp8   code = e4m3fn(y), rounded half-even    encoded with integer arithmetic (see _fp8_encode)
-    x'    = value(code) * scale                  then rounded half-even to x's dtype
+    x'    = value(code) * scale                  then rounded half-even to x's dtype; a product past
+                                                 FLT_MAX (only int8 at absmax = FLT_MAX, where scale
+                                                 rounds up) saturates to +-FLT_MAX instead of inf
 
 Stochastic rounding (`stochastic=True`, explicit `seed`): round down or up with probability equal
 to the distance, using u = hash(seed, element index) in [0, 1): floor(y + u) for the integer
@@ -28,6 +30,7 @@ FORMATS = ("int8", "fp8", "int4")
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+FLT_MAX = torch.finfo(torch.float32).max
 _M32 = 0xFFFFFFFF
 
 
@@ -180,4 +183,5 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     else:
         values = torch.stack([q.codes & 0x0F, q.codes >> 4], dim=-1).view(R, -1).float() - 8.0
     x = values.view(R, G, q.group_size) * q.scales[..., None]
+    x = x.clamp_(-FLT_MAX, FLT_MAX)  # an overflow past FLT_MAX saturates (scales are never inf; NaN stays NaN)
     return x.reshape(q.shape).to(q.dtype)

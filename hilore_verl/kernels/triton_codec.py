@@ -45,6 +45,13 @@ def _store_from_f32(ptr, offs, x, mask, KIND: tl.constexpr):
 
 
 @triton.jit
+def _saturate(x):
+    """value * scale past FLT_MAX (int8 at absmax = FLT_MAX) to +-FLT_MAX, as the reference does."""
+    big = tl.abs(x) == float("inf")
+    return tl.where(big, tl.where(x > 0.0, 3.4028234663852886e38, -3.4028234663852886e38), x)
+
+
+@triton.jit
 def _rne(y):
     r = tl.floor(y)
     frac = y - r
@@ -175,8 +182,8 @@ def _dequantize_kernel(CODES, SCALES, OUT, R, D, GS: tl.constexpr, BLOCK_R: tl.c
         HALF: tl.constexpr = GS // 2
         code_offs = rows.to(tl.int64)[:, None] * (D // 2) + (gi * HALF + tl.arange(0, HALF))[None, :]
         byte = tl.load(CODES + code_offs, mask=m2, other=0).to(tl.int32) & 0xFF
-        lo = ((byte & 0x0F) - 8).to(tl.float32) * scale[:, None]
-        hi = ((byte >> 4) - 8).to(tl.float32) * scale[:, None]
+        lo = _saturate(((byte & 0x0F) - 8).to(tl.float32) * scale[:, None])
+        hi = _saturate(((byte >> 4) - 8).to(tl.float32) * scale[:, None])
         offs = row_base[:, None] + (gi * GS + 2 * tl.arange(0, HALF))[None, :]
         _store_from_f32(OUT, offs, lo, m2, KIND)
         _store_from_f32(OUT, offs + 1, hi, m2, KIND)
@@ -187,7 +194,7 @@ def _dequantize_kernel(CODES, SCALES, OUT, R, D, GS: tl.constexpr, BLOCK_R: tl.c
             value = _fp8_decode(code)
         else:
             value = code.to(tl.float32)
-        _store_from_f32(OUT, offs, value * scale[:, None], m2, KIND)
+        _store_from_f32(OUT, offs, _saturate(value * scale[:, None]), m2, KIND)
 
 
 def _as_kernel_view(x: torch.Tensor) -> torch.Tensor:

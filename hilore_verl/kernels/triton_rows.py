@@ -12,7 +12,7 @@ import triton.language as tl
 
 from hilore_verl.kernels.rows import ROW_KEEP, RowQuantized, check_row_fmt, layout
 from hilore_verl.kernels.triton_codec import (BLOCK_R, _as_kernel_view, _kind, _load_f32, _pair_absmax, _rne,
-                                              _store_from_f32)
+                                              _saturate, _store_from_f32)
 
 
 @triton.jit
@@ -84,12 +84,12 @@ def _dequantize_rows_kernel(FMT, INDEX, KEEP, CODES, SCALES, OUT, R, D, GS: tl.c
     code_offs = offset[:, None] + cols[None, :]
     ce = tl.load(CODES + code_offs, mask=int8_2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     co = tl.load(CODES + code_offs + 1, mask=int8_2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    _store_from_f32(OUT, offs, ce * scale[:, None], int8_2, KIND)
-    _store_from_f32(OUT, offs + 1, co * scale[:, None], int8_2, KIND)
+    _store_from_f32(OUT, offs, _saturate(ce * scale[:, None]), int8_2, KIND)
+    _store_from_f32(OUT, offs + 1, _saturate(co * scale[:, None]), int8_2, KIND)
     int4_2 = (rmask & (cls == 2))[:, None]
     byte = tl.load(CODES + offset[:, None] + (gi * HALF + j)[None, :], mask=int4_2, other=0).to(tl.int32) & 0xFF
-    _store_from_f32(OUT, offs, ((byte & 0x0F) - 8).to(tl.float32) * scale[:, None], int4_2, KIND)
-    _store_from_f32(OUT, offs + 1, ((byte >> 4) - 8).to(tl.float32) * scale[:, None], int4_2, KIND)
+    _store_from_f32(OUT, offs, _saturate(((byte & 0x0F) - 8).to(tl.float32) * scale[:, None]), int4_2, KIND)
+    _store_from_f32(OUT, offs + 1, _saturate(((byte >> 4) - 8).to(tl.float32) * scale[:, None]), int4_2, KIND)
 
 
 def quantize_rows(x: torch.Tensor, row_fmt: torch.Tensor, group_size: int = 64) -> RowQuantized:

@@ -24,6 +24,7 @@ MODE_NAMES = ("keep", "recompute") + FORMATS  # the short strings a plan mapping
 @dataclass(frozen=True)
 class UnitPlan:
     mode: Mode = Mode.KEEP
+    """A Mode, or its string value ("keep" | "compress" | "recompute"), stored as the Mode."""
     fmt: str | None = None
     """Codec format for COMPRESS: "int8" | "fp8" | "int4"."""
     group_size: int = 64
@@ -34,6 +35,16 @@ class UnitPlan:
     """COMPRESS only: stochastic rounding (unbiased; seeded from RuntimeConfig.seed) instead of nearest."""
 
     def __post_init__(self):
+        if not isinstance(self.mode, Mode):
+            if not isinstance(self.mode, str) or self.mode not in {m.value for m in Mode}:
+                raise ValueError(f"UnitPlan.mode: got {self.mode!r}; valid: a Mode or one of "
+                                 f"{', '.join(m.value for m in Mode)} (formats go in fmt)")
+            object.__setattr__(self, "mode", Mode(self.mode))
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise ValueError(f"UnitPlan.group_size: got {self.group_size!r}; valid: an integer, one of {GROUP_SIZES}")
+        for key in ("offload", "stochastic"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"UnitPlan.{key}: got {getattr(self, key)!r}; valid: True or False")
         if self.mode == Mode.COMPRESS:
             if self.fmt not in FORMATS:
                 raise ValueError(f"unknown compression format {self.fmt!r}; valid formats: {', '.join(FORMATS)}")
