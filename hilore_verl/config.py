@@ -49,6 +49,10 @@ class HiLoReConfig:
     """Seed of stochastic rounding."""
     oom_retries: int = 1
     """Times a mini-batch that ran out of device memory is retried with every unit recomputed."""
+    step_snapshot: bool = True
+    """Copy this rank's parameter shards, gradients and optimizer state to host memory before each
+    optimizer step, so that a fault inside the step is undone (an out-of-memory error then retried
+    exactly). False: such a fault stops training with StepFailed (resume from a checkpoint)."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "HiLoReConfig":
@@ -71,6 +75,7 @@ class HiLoReConfig:
         _check_type("enable", self.enable, bool)
         _check_type("offload", self.offload, bool)
         _check_type("stochastic_rounding", self.stochastic_rounding, bool)
+        _check_type("step_snapshot", self.step_snapshot, bool)
         _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
         _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)
         _check_int("min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)

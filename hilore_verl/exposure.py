@@ -12,6 +12,8 @@ Entropy bonus. It acts on the logits, not through log_prob, so it is not in c. I
 token t's logits is -entropy_coeff * w_t * dH_t/dz with |dH/dz|_1 = sum_i p_i |log p_i + H| <= 2 H
 <= 2 ln V (V: vocabulary size), w_t the aggregation weight. `summarize` adds that bound per token
 when given `entropy_coeff` and `vocab_size`: exposure stays an upper bound, never an undercount.
+`actor_exposure` takes the coefficient and the aggregation mode from verl's actor config (what the
+engine plans with): a zero-advantage micro-batch still has exposure under an entropy bonus.
 """
 
 from __future__ import annotations
@@ -118,3 +120,28 @@ def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: S
         raise ValueError(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, not to the {c.shape[0]} sequences")
     micro = [float(part.sum()) for part in torch.split(sequence, sizes)]
     return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), micro, sequence == 0)
+
+
+def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,
+                   micro_batch_sizes: Sequence[int] | None = None,
+                   global_batch_info: Mapping[str, Any] | None = None) -> Exposure:
+    """`summarize` with the entropy bound that verl's actor config calls for.
+
+    With `actor_config.entropy_coeff` != 0, each token gets |entropy_coeff| * w_t * 2 ln V on top of
+    |c_t|, w_t from `aggregation_weights` for the config's `loss_agg_mode` (and `loss_scale_factor`)
+    in the same view as c (`global_batch_info` as given to `loss_coefficients`); `vocab_size` is
+    then required. With entropy_coeff 0 this is `summarize(c, response_mask, micro_batch_sizes)`.
+    """
+    c, response_mask = _padded("c", c), _padded("response_mask", response_mask)
+    coeff = float(getattr(actor_config, "entropy_coeff", 0.0) or 0.0)
+    if not coeff:
+        return summarize(c, response_mask, micro_batch_sizes)
+    if not vocab_size or vocab_size < 2:
+        raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
+    from hilore_verl.integration.loss import aggregation_weights
+
+    info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
+    info.update(global_batch_info or {})
+    weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
+    return summarize(c, response_mask, micro_batch_sizes, entropy_coeff=coeff, entropy_weights=weights,
+                     vocab_size=vocab_size)

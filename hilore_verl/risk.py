@@ -32,16 +32,21 @@ PlanLike = Mapping[str, Union[str, UnitPlan]]
 
 
 @functools.cache
-def codec_error(fmt: str, group_size: int = 64) -> float:
-    """Relative RMS error |x' - x| / |x| of the codec on N(0, 1) data (measured once, deterministic)."""
+def codec_error(fmt: str, group_size: int = 64, stochastic: bool = False) -> float:
+    """Relative RMS error |x' - x| / |x| of the codec on N(0, 1) data (measured once, deterministic).
+    Stochastic rounding is unbiased but has a larger RMS error than rounding to nearest (about 1.4x)."""
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
-    y = reference.dequantize(reference.quantize(x, fmt, group_size))
+    y = reference.dequantize(reference.quantize(x, fmt, group_size, stochastic=stochastic))
     return float((y - x).norm() / x.norm())
 
 
-def _lossy(plan: Union[str, UnitPlan]) -> tuple[str, int] | None:
+def _lossy(plan: Union[str, UnitPlan]) -> tuple[str, int, bool] | None:
+    """(format, group size, stochastic) of a compressed unit's plan; None for keep / recompute.
+    Accepts the planner's option names too ("int8+offload": offload does not change the error)."""
+    if isinstance(plan, str):
+        plan = plan.partition("+")[0]
     p = UnitPlan.parse(plan)
-    return (p.fmt, p.group_size) if p.mode == Mode.COMPRESS else None
+    return (p.fmt, p.group_size, p.stochastic) if p.mode == Mode.COMPRESS else None
 
 
 @dataclass
@@ -144,7 +149,7 @@ class AuditResult:
 
 @dataclass
 class GradientAudit:
-    """Every `every` steps: exact vs approximate gradient on a sampled micro-batch.
+    """Every `every` steps: exact vs approximate gradient on a sampled micro-batch (one with exposure).
 
     The measured deviation re-scales the sensitivities of the plan's lossy units (fully when it
     is off by more than `tolerance`, by `learning_rate` in log space otherwise). A deviation above
@@ -171,9 +176,13 @@ class GradientAudit:
         return step % self.every == 0
 
     def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike,
-            exposure_l2: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult:
+            exposure_l2: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult | None:
         """`exact`, `approx`: flat gradients (or this rank's shards of them, with `reduce` summing
-        a float64 vector in place over the ranks that hold the other shards)."""
+        a float64 vector in place over the ranks that hold the other shards).
+
+        Returns None, and changes nothing (no history, sensitivities and budget untouched), when the
+        exact gradient is zero or not finite: there is no cosine or relative error to measure then
+        (a micro-batch without exposure), and a zero deviation from it says nothing about the plan."""
         exact, approx = exact.double(), approx.double()
         # sums over the gradient: |a - e|^2, |e|^2, |a|^2, e.a
         sums = torch.stack([(approx - exact).pow(2).sum(), exact.pow(2).sum(), approx.pow(2).sum(),
@@ -181,14 +190,19 @@ class GradientAudit:
         if reduce is not None:
             reduce(sums)
         diff2, exact2, approx2, dot = sums.tolist()
-        measured = math.sqrt(diff2)
-        rel = measured / max(math.sqrt(exact2), 1e-30)
-        cosine = dot / max(math.sqrt(exact2 * approx2), 1e-30)
+        if not (math.isfinite(exact2) and exact2 > 0):
+            return None
+        if math.isfinite(diff2) and math.isfinite(approx2) and math.isfinite(dot):
+            measured = math.sqrt(diff2)
+            cosine = dot / max(math.sqrt(exact2 * approx2), 1e-30)
+        else:  # a non-finite approximate gradient: as far off as it gets
+            measured, cosine = math.inf, math.nan
+        rel = measured / math.sqrt(exact2)
         predicted = self.risk.predict(plans, exposure_l2)
         lossy = [u for u, p in plans.items() if _lossy(p) is not None]
         ratio = measured / predicted if predicted > 0 else (math.inf if measured > 0 else 1.0)
         anomaly = ratio > self.tolerance
-        if lossy and predicted > 0 and measured > 0:
+        if lossy and predicted > 0 and 0 < measured < math.inf:
             self.risk.rescale(lossy, ratio if anomaly else ratio ** self.learning_rate)
         if anomaly:
             self.risk_budget = max(self.risk_budget / 2, self.min_budget)

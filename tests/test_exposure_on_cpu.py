@@ -168,3 +168,29 @@ def test_bad_input_names_the_field():
         exposure.loss_coefficients(log_prob, batch["old_log_probs"], None, mask, config)
     with pytest.raises(ValueError, match="micro_batch_sizes"):
         exposure.summarize(torch.zeros(3, 2), torch.ones(3, 2), micro_batch_sizes=[1, 1])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
+    """Zero advantages give c = 0, but an entropy bonus still moves the policy: with entropy_coeff > 0
+    the exposure is the stated bound |entropy_coeff| * w_t * 2 ln V, with entropy_coeff 0 it is 0."""
+    batch, _ = _batch()
+    mask = batch["response_mask"]
+    zero = torch.zeros_like(batch["advantages"])
+    for coeff in (0.0, 0.01):
+        config = actor_config(loss_agg_mode=agg, entropy_coeff=coeff)
+        c = exposure.predicted_coefficients(batch["old_log_probs"], zero, mask, config)
+        assert (c == 0).all()
+        e = exposure.actor_exposure(c, mask, config, vocab_size=512, micro_batch_sizes=[4, 4, 4])
+        if coeff == 0:
+            assert e.l2_of() == 0 and e.zero.all()
+            continue
+        w = aggregation_weights(mask, agg)
+        expected = coeff * w * 2 * torch.log(torch.tensor(512.0)) * mask
+        torch.testing.assert_close(e.token, expected)
+        assert e.l2_of() > 0 and not e.zero.any()
+    with pytest.raises(ValueError, match="vocab_size is required"):
+        exposure.actor_exposure(c, mask, actor_config(entropy_coeff=0.01))
+    # without entropy the actor's exposure is summarize's
+    c = exposure.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, actor_config())
+    assert exposure.actor_exposure(c, mask, actor_config()).l2_of() == exposure.summarize(c, mask).l2_of()

@@ -1,6 +1,7 @@
 """Planner: solver optimality and budgets, controller memory model, exposure-awareness, bad input."""
 
 import itertools
+import json
 import math
 import random
 
@@ -195,12 +196,82 @@ def _plans_on_rank(rank, world_size):
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
     local = [0.0, 0.5] if rank == 0 else [0.8, 0.0]  # different local data on each rank
     ctl.begin_mini_batch(local, [tokens - 7 * rank, tokens])
-    return [ctl.plan_micro_batch(i) for i in range(2)]
+    plans = [ctl.plan_micro_batch(i) for i in range(2)]
+    # the audit's micro-batch: only micro-batch 1 has exposure on any rank (rank 1 has none at all)
+    ctl.begin_mini_batch([0.0, 0.5] if rank == 0 else [0.0, 0.0], [tokens, tokens])
+    audited = [ctl.audit_micro_batch(step) for step in range(1, 5)]
+    return plans, audited
 
 
 def test_ranks_with_different_data_plan_identically():
-    plans = run_on_ranks(_plans_on_rank, 2)
-    assert plans[0] == plans[1]
+    ranks = run_on_ranks(_plans_on_rank, 2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][1] == [1, 1, 1, 1]  # every rank audits the same micro-batch, the one with exposure
+
+
+def test_the_audit_samples_micro_batches_with_exposure(tiny):
+    from hilore_verl.risk import GradientAudit
+
+    _, rt, _, tokens, costs = tiny
+    risk = _flat_risk(costs.units)
+    ctl = Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), audit=GradientAudit(risk, every=2))
+    ctl.begin_mini_batch([0.0, 1.0, 0.0, 2.0], [tokens] * 4)
+    picked = [ctl.audit_micro_batch(step) for step in range(2, 12, 2)]  # the audited steps
+    assert set(picked) == {1, 3} and picked == [ctl.audit_micro_batch(s) for s in range(2, 12, 2)]
+    assert ctl.audit_micro_batch(4, exposure_l2=[0.0, 0.0, 3.0, 0.0]) == 2  # the caller's (global) exposures
+    ctl.begin_mini_batch([0.0] * 4, [tokens] * 4)
+    assert ctl.audit_micro_batch(2) is None  # nothing exposed: no audit this step
+
+
+def test_an_audit_of_a_zero_gradient_changes_nothing(tiny):
+    from hilore_verl.risk import GradientAudit
+
+    _, rt, _, tokens, costs = tiny
+    costs = _gpu_like(costs)
+    risk = _flat_risk(costs.units)
+    ctl = Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
+                     audit=GradientAudit(risk, risk_budget=0.05, every=1))
+    ctl.audit.risk_budget = ctl.risk_budget = 0.02
+    ctl.begin_mini_batch([0.0], [tokens])
+    ctl.plan_micro_batch(0)
+    zeros = torch.zeros(100, dtype=torch.float64)
+    assert ctl.record_audit(1, zeros, zeros, exposure_l2=0.0) is None
+    assert ctl.risk_budget == 0.02 and not ctl.audit.history
+    assert not [k for k in ctl.metrics() if k.startswith("hilore/audit")]
+
+
+def test_stochastic_rounding_reaches_the_runtime(tiny):
+    _, rt, _, tokens, costs = tiny
+    costs = _gpu_like(costs)
+    for stochastic in (False, True):
+        ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
+                         stochastic=stochastic)
+        ctl.begin_mini_batch([1.0], [tokens])
+        plan = ctl.plan_micro_batch(0)
+        lossy = [u for u, c in plan.items() if c not in ("keep", "recompute")]
+        assert lossy
+        assert all(rt.plan_of(u).stochastic is stochastic for u in lossy)
+        assert all(p.stochastic is stochastic for u, p in ctl.runtime_plan(plan).items() if u in lossy)
+        assert not any(rt.plan_of(u).stochastic for u in plan if u not in lossy)
+        # the risk is priced with the codec as it runs: stochastic rounding's error is larger
+        nearest = ctl.risk.predict(plan, 1.0)  # option names: round to nearest
+        assert (ctl.history[-1].predicted_risk > 1.2 * nearest) is stochastic
+    rt.set_plan({})
+
+
+def test_offloaded_compression_is_planned_with_a_risk_model(tiny):
+    import dataclasses
+
+    _, rt, _, tokens, costs = tiny
+    costs = dataclasses.replace(_gpu_like(costs), offload=True, host_bytes_per_s=1e15)
+    ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.0), risk_budget=0.05)
+    ctl.begin_mini_batch([1.0], [tokens])
+    plan = ctl.plan_micro_batch(0)  # an "int8+offload" choice is priced as int8
+    assert any(c.endswith("+offload") for c in plan.values()), plan
+    assert 0 < ctl.history[-1].predicted_risk <= ctl.history[-1].risk_allowance + 1e-12
+    ctl.after_forward(0, 1.0)
+    assert ctl.history[-1].spent_risk == pytest.approx(ctl.history[-1].predicted_risk)
+    rt.set_plan({})
 
 
 def test_analytic_costs_from_the_config_match_the_profile(tiny):
@@ -232,7 +303,89 @@ def test_an_audit_anomaly_tightens_the_next_plans(tiny):
     approx = exact + 0.5  # far more deviation than predicted: an anomaly
     result = ctl.record_audit(1, exact, approx, exposure_l2=1.0)
     assert result.anomaly and ctl.risk_budget == pytest.approx(0.025)
+    assert ctl.metrics()["hilore/audit/anomaly"] == 1.0  # reported with the mini-batch the audit ran in
     ctl.begin_mini_batch([1.0], [tokens])
     tighter = ctl.plan_micro_batch(0)
     assert all(tighter[u] in ("keep", "recompute") for u in lossy)  # the units the audit caught are exact now
-    assert ctl.metrics()["hilore/audit/anomaly"] == 1.0
+    assert not [k for k in ctl.metrics() if k.startswith("hilore/audit")]  # no audit here: no audit metrics
+
+
+def _calibrated_state(costs):
+    from hilore_verl.risk import GradientAudit
+
+    risk = RiskModel()
+    for i, u in enumerate(costs.units):  # measured figures: arbitrary floats
+        risk.add_measurement(u.name, "int8", 64, 0.1 + i / 7, 1e-3 * (i + 1) / 3)
+    risk.grad_scale = 0.123456789012345678
+    ctl = Controller(None, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.01 / 3,
+                     audit=GradientAudit(risk, risk_budget=0.01 / 3))
+    ctl.memory_factor = 0.9 * 0.95
+    return ctl.state_dict()
+
+
+def test_the_controller_state_round_trips_through_json_exactly(tiny):
+    from hilore_verl.planner.controller import STATE_FORMAT, dump_state, load_state
+
+    _, rt, _, _, costs = tiny
+    state = _calibrated_state(costs)
+    text = dump_state(state)
+    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 1
+    loaded = load_state(text, [u.name for u in rt.units])
+    assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
+    assert Controller.costs_from_state(loaded) == costs
+    assert Controller.risk_from_state(loaded).state_dict() == state["risk"]
+    assert load_state(text.encode())["costs"]["tokens"] == costs.tokens  # bytes as read from a file
+    with pytest.raises(ValueError, match="non-finite"):
+        dump_state({**state, "memory_factor": float("nan")})
+
+
+def _edit(text, change):
+    doc = json.loads(text)
+    change(doc["state"])
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("garbage", "not JSON"),
+    ("not utf-8", "not JSON"),
+    ("a list", "not a hilore-verl controller state"),
+    ("foreign", "not a hilore-verl controller state"),
+    ("version", "version 2; this hilore-verl reads version 1"),
+    ("nan", "non-finite number NaN"),
+    ("huge", "expected a finite number >= 0"),
+    ("string", r"state.costs.units\[0\].saved_bytes: expected a finite number >= 0, got '12'"),
+    ("bool", r"state.costs.tokens: expected an integer >= 1, got True"),
+    ("missing", "state.costs: missing tokens"),
+    ("extra", "state: unexpected code"),
+    ("units", "not this model's"),
+    ("risk unit", "'lm_head' is not a unit of the cost table"),
+    ("format", "state.costs.formats"),
+    ("factor", r"state.memory_factor: expected a finite number in \(0, 1\]"),
+])
+def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, match):
+    from hilore_verl.planner.controller import dump_state, load_state
+
+    _, rt, _, _, costs = tiny
+    text = dump_state(_calibrated_state(costs))
+    names = [u.name for u in rt.units]
+    bad = {
+        "garbage": lambda: "\x00\x01 certainly not json {",
+        "not utf-8": lambda: b"\xff\xfe\xfa garbage",
+        "a list": lambda: "[1, 2, 3]",
+        "foreign": lambda: json.dumps({"step": 3, "state": {}}),
+        "version": lambda: text.replace('"version": 1', '"version": 2'),
+        "nan": lambda: _edit(text, lambda s: s.update(risk_budget=1.0)).replace('"risk_budget": 1.0',
+                                                                                  '"risk_budget": NaN'),
+        "huge": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(held_bytes=1.0)).replace(
+            '"held_bytes": 1.0', '"held_bytes": 1e999'),
+        "string": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(saved_bytes="12")),
+        "bool": lambda: _edit(text, lambda s: s["costs"].update(tokens=True)),
+        "missing": lambda: _edit(text, lambda s: s["costs"].pop("tokens")),
+        "extra": lambda: _edit(text, lambda s: s.update(code="__import__('os')")),
+        "units": lambda: _edit(text, lambda s: s["costs"].update(units=s["costs"]["units"][:7])),
+        "risk unit": lambda: _edit(text, lambda s: s["risk"]["sensitivity"].update(lm_head=1.0)),
+        "format": lambda: _edit(text, lambda s: s["costs"].update(formats=["int3"])),
+        "factor": lambda: _edit(text, lambda s: s.update(memory_factor=2.0)),
+    }[case]()
+    with pytest.raises(ValueError, match=match):
+        load_state(bad, names)

@@ -106,3 +106,45 @@ def test_uncalibrated_model_says_so():
         RiskModel().predict({"head": "int8"}, 1.0)
     with pytest.raises(ValueError, match="need every >= 1"):
         GradientAudit(RiskModel(), every=0)
+
+
+def test_an_audit_of_a_zero_exact_gradient_records_nothing():
+    """A micro-batch without exposure has a zero exact gradient (and a zero approximate one): there is
+    no cosine or relative error to report, and the audit must not relax the budget or move sensitivities."""
+    risk = RiskModel(sensitivity={"head": 1.0, "layers.0.mlp.act": 2.0}, grad_scale=1.0)
+    audit = GradientAudit(risk, risk_budget=0.05, every=1)
+    audit.risk_budget = 0.02  # tightened by an earlier anomaly: a clean audit would relax it
+    before = dict(risk.sensitivity)
+    zeros = torch.zeros(50)
+    assert audit.run(1, zeros, zeros, {"head": "int8", "layers.0.mlp.act": "int4"}, exposure_l2=0.0) is None
+    assert audit.history == [] and audit.risk_budget == 0.02 and risk.sensitivity == before
+    # the same over ranks: the reduced sums decide (here every shard is zero)
+    assert audit.run(2, zeros, zeros, {"head": "int8"}, 1.0, reduce=lambda t: t.mul_(2)) is None
+    # a non-zero exact gradient is audited as before
+    exact = torch.ones(50)
+    result = audit.run(3, exact, exact + 1e-4, {"head": "int8"}, exposure_l2=1.0)
+    assert result is not None and result.cosine == pytest.approx(1.0) and len(audit.history) == 1
+
+
+def test_a_non_finite_approximate_gradient_is_an_anomaly():
+    risk = RiskModel(sensitivity={"head": 1.0}, grad_scale=1.0)
+    audit = GradientAudit(risk, risk_budget=0.05, every=1)
+    approx = torch.ones(10)
+    approx[3] = float("nan")
+    result = audit.run(1, torch.ones(10), approx, {"head": "int8"}, exposure_l2=1.0)
+    assert result.anomaly and result.rel_error == math.inf and audit.risk_budget == pytest.approx(0.025)
+    assert math.isfinite(risk.sensitivity["head"])  # not re-scaled by an infinite ratio
+
+
+def test_risk_follows_the_plans_codec_settings():
+    """Stochastic rounding has a larger RMS error than rounding to nearest; a smaller group a smaller
+    one; offload changes nothing. The planner's option names are accepted."""
+    from hilore_verl.runtime.plan import Mode, UnitPlan
+
+    assert codec_error("int8", 64, stochastic=True) > 1.2 * codec_error("int8", 64)
+    risk = RiskModel(sensitivity={"head": 1.0}, grad_scale=1.0)
+    rtn = risk.predict({"head": UnitPlan(Mode.COMPRESS, fmt="int8")}, 1.0)
+    sr = risk.predict({"head": UnitPlan(Mode.COMPRESS, fmt="int8", stochastic=True)}, 1.0)
+    g32 = risk.predict({"head": UnitPlan(Mode.COMPRESS, fmt="int8", group_size=32)}, 1.0)
+    assert sr > rtn > g32 > 0
+    assert risk.predict({"head": "int8+offload"}, 1.0) == risk.predict({"head": "int8"}, 1.0) == rtn

@@ -40,12 +40,15 @@ def build_fsdp_engine(
     lr: float = 1e-6,
     clip_grad: float = 1.0,
     total_training_steps: int = 10,
+    defer_gradient_sync: bool = True,
     engine_cls: type = FSDPEngineWithLMHead,
     **engine_kwargs,
 ) -> FSDPEngineWithLMHead:
     """An initialised verl FSDP engine for a Hugging Face model directory (needs torch.distributed).
 
-    `mixed_precision=None` keeps verl's default (bf16 parameters, fp32 reduce). `engine_cls`:
+    `mixed_precision=None` keeps verl's default (bf16 parameters, fp32 reduce). `defer_gradient_sync`:
+    verl's `use_no_sync_for_gradient_accumulation` (reduce gradients once, in the last micro-batch's
+    backward). `engine_cls`:
     verl's engine or a subclass (HiLoReFSDPEngine, which takes `hilore=` and `actor_config=`).
     """
     model_config = HFModelConfig(
@@ -63,6 +66,7 @@ def build_fsdp_engine(
         micro_batch_size_per_gpu=micro_batch_size_per_gpu,
         mixed_precision=mixed_precision,
         use_torch_compile=False,
+        use_no_sync_for_gradient_accumulation=defer_gradient_sync,
     )
     optimizer_config = FSDPOptimizerConfig(lr=lr, clip_grad=clip_grad, total_training_steps=total_training_steps)
     engine = engine_cls(

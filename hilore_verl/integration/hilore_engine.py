@@ -12,7 +12,8 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `forward_step`: before each training micro-batch, apply its plan; after its forward and
     before its backward, record the risk spent from the exact coefficients;
   - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit;
-  - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint.
+  - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint
+    (`hilore_controller.json`: plain JSON, validated on load; a bad or legacy pickled file re-profiles).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ import hilore_verl
 from hilore_verl import exposure
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor_config import BACKEND
+from hilore_verl.integration.device_memory import available_bytes
+from hilore_verl.integration.recovery import StepFailed, StepSnapshot, reset_after_failure
 from hilore_verl.planner import Controller, profile
+from hilore_verl.planner.controller import MAX_STATE_BYTES, dump_state, load_state
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
@@ -72,6 +76,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._step = 0
         self._micro_index = 0
         self._fallback: dict | None = None  # the all-recompute plan while retrying after an OOM
+        self._retries = 0  # out-of-memory retries in the current mini-batch
 
     # ------------------------------------------------------------------ set-up
     def initialize(self):
@@ -125,9 +130,13 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         audit = (GradientAudit(risk, risk_budget=self.hilore.risk_budget, every=self.hilore.audit_every,
                                tolerance=self.hilore.audit_tolerance)
                  if risk is not None and self.hilore.audit_every > 0 else None)
+        free = None
+        if self.hilore.budget.mode == "auto":  # measured now, when the actor trains (see device_memory.py)
+            free = available_bytes(next(self.module.parameters()).device, self.get_data_parallel_group())
         return Controller(self.runtime, costs, risk, self.hilore.budget, static_bytes=self._static_bytes(),
                           risk_budget=self.hilore.risk_budget, group=self.get_data_parallel_group(),
-                          token_bucket=self.hilore.token_bucket, audit=audit)
+                          token_bucket=self.hilore.token_bucket, audit=audit,
+                          stochastic=self.hilore.stochastic_rounding, free_bytes=free)
 
     def _build_controller(self, micro_batches, loss_function) -> None:
         if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
@@ -192,23 +201,57 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             risk.grad_scale = total / count if count else None
 
     # ------------------------------------------------------------------ checkpoints
-    STATE_FILE = "hilore_controller.pt"
+    STATE_FILE = "hilore_controller.json"
+    LEGACY_STATE_FILE = "hilore_controller.pt"  # pickled by earlier versions: never loaded (unpickling runs code)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
         if self.controller is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            os.makedirs(local_path, exist_ok=True)  # every rank holds the same state: rank 0 writes it
-            torch.save(self.controller.state_dict(), os.path.join(local_path, self.STATE_FILE))
+            path = os.path.join(local_path, self.STATE_FILE)  # every rank holds the same state: rank 0 writes it
+            try:
+                text = dump_state(self.controller.state_dict())
+            except ValueError as err:  # a non-finite number: a resumed run profiles again rather than load it
+                logger.warning("hilore-verl: controller state not written to %s (%s); a run resumed from this "
+                               "checkpoint profiles and calibrates again", path, err)
+                return
+            os.makedirs(local_path, exist_ok=True)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)  # never a half-written state under the real name
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        path = os.path.join(local_path, self.STATE_FILE)
-        state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        state = self._read_state(local_path)  # before verl's load, which may delete local_path
         super().load_checkpoint(local_path, hdfs_path, del_local_after_load, **kwargs)
-        if state is not None:
-            self._restored, self.controller = state, None
+        self._restored, self.controller = state, None  # no state: the first step profiles and calibrates
+
+    def _read_state(self, local_path) -> dict | None:
+        """The controller state of a checkpoint, validated (JSON only, nothing executed), or None with
+        one warning naming the file and why. Ranks agree: if one rank has no valid state, none uses it."""
+        path = os.path.join(local_path, self.STATE_FILE)
+        legacy = os.path.join(local_path, self.LEGACY_STATE_FILE)
+        state, problem = None, None
+        if os.path.exists(path):
+            units = [u.name for u in self.runtime.units] if self.runtime is not None else None
+            try:
+                if os.path.getsize(path) > MAX_STATE_BYTES:
+                    raise ValueError(f"{os.path.getsize(path)} bytes, more than a controller state takes")
+                with open(path, "rb") as f:
+                    state = load_state(f.read(), units)
+            except (OSError, ValueError) as err:
+                problem = f"{path} is not a usable controller state: {err}"
+        elif os.path.exists(legacy):
+            problem = (f"{legacy} is a controller state in the old pickle format, which is not loaded "
+                       f"(unpickling can run code)")
         else:
-            logger.warning("hilore-verl: %s has no controller state; the first step profiles and calibrates again",
-                           local_path)
+            problem = f"{local_path} has no controller state ({self.STATE_FILE})"
+        if dist.is_initialized():  # the same decision on every rank, or they would disagree on profiling
+            ok = torch.tensor([0.0 if state is None else 1.0], dtype=torch.float64)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.get_data_parallel_group())
+            if state is not None and ok.item() == 0:
+                state, problem = None, f"{path} is valid here, but another rank could not use its controller state"
+        if state is None:
+            logger.warning("hilore-verl: %s; the first step profiles and calibrates again", problem)
+        return state
 
     # ------------------------------------------------------------------ per step
     def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
@@ -220,11 +263,37 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                           _padded(micro_batch, "advantages"), mask, self.actor_config, **optional)
 
     def _exposure_l2(self, micro_batch, log_prob=None) -> float:
+        """L2 of the micro-batch's exposure: |c_t|, plus the entropy bound when the actor's entropy_coeff
+        is not 0 (the entropy bonus acts on the logits, so c leaves it out; a zero-advantage micro-batch
+        still moves the policy through it)."""
         if self.actor_config is None:
             return 1.0
-        return float(self._coefficients(micro_batch, log_prob).pow(2).sum().sqrt())
+        c = self._coefficients(micro_batch, log_prob)
+        vocab = self._vocab_size() if getattr(self.actor_config, "entropy_coeff", 0) else None
+        return exposure.actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config, vocab).l2_of()
+
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary size V (the entropy bound is 2 ln V), from verl's model config."""
+        config = getattr(self.model_config, "hf_config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        vocab = getattr(config, "vocab_size", None)
+        if vocab is None:  # the module's own config, as the model was built
+            vocab = getattr(getattr(self.module, "config", None), "vocab_size", None)
+        return vocab
 
     def train_batch(self, data, loss_function):
+        """One mini-batch. A fault anywhere in it (profiling, audit, forward, backward, optimizer step)
+        leaves the engine as before the call, or is retried exactly (see _train_with_retries)."""
+        step = self._step
+        try:
+            return self._train_batch(data, loss_function)
+        except BaseException:
+            self._step = step  # the mini-batch did not happen
+            self._recover()
+            raise
+
+    def _train_batch(self, data, loss_function):
         if self.actor_config is None:  # the actor worker binds ppo_loss to the actor config
             self.actor_config = getattr(loss_function, "keywords", {}).get("config")
         micro_batches = self._micro_batches(data)
@@ -234,48 +303,109 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         # once per mini-batch: predicted exposure (on-policy point) and tokens of every micro-batch
         self.controller.begin_mini_batch([self._exposure_l2(mb) for mb in micro_batches],
                                          [int(mb["input_ids"].values().numel()) for mb in micro_batches])
-        audit = None
         if self.controller.audit_due(self._step) and self.actor_config is not None:
-            audit = self._audit(micro_batches[0])
+            failed = False
+            try:
+                self._audit(micro_batches)  # its metrics are in controller.metrics() for this mini-batch only
+            except torch.OutOfMemoryError:
+                failed = True  # an audit is worth less than the step: skip it, train
+            if failed:
+                self._recover()
+                logger.warning("hilore-verl: out of memory in the gradient audit at step %d; audit skipped",
+                               self._step)
         out, retries = self._train_with_retries(data, loss_function)
         if self.is_mp_src_rank_with_outputs():
             metrics = self.controller.metrics()
             metrics["hilore/oom_retries"] = float(retries)
-            if audit is not None:
-                metrics.update(audit.metrics())
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
             out["metrics"].update({k: [v] for k, v in metrics.items()})
         return out
 
     def _train_with_retries(self, data, loss_function):
-        """verl's train_batch; out of device memory: retry with every unit recomputed, plan tighter after.
-        (All ranks run the same plan, so they run out of memory at the same micro-batch or none does.)"""
-        retries = 0
+        """verl's train_batch; out of device memory in forward or backward: put the step back (see
+        recovery.py) and retry it with every unit recomputed (exact), planning tighter after; in the
+        optimizer step: `optimizer_step` restores and retries it. Any other fault, or the last
+        retry failing: the step is put back and the error raised. Every rank must fail at the same
+        point (a rank that fails alone leaves its peers waiting in a collective)."""
+        self._retries = 0
         try:
             while True:
                 self._micro_index = 0
                 try:
-                    return super().train_batch(data, loss_function), retries
-                except torch.OutOfMemoryError:
-                    if retries >= self.hilore.oom_retries:
+                    return super().train_batch(data, loss_function), self._retries
+                except torch.OutOfMemoryError as err:
+                    if self._retries >= self.hilore.oom_retries:
+                        self._recover()
+                        logger.error("hilore-verl: out of memory at step %d after %d retries; parameters and "
+                                     "optimizer state are as before the step", self._step, self._retries)
                         raise
-                    retries += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                    get_torch_device().empty_cache()
-                    self._fallback = self.controller.on_oom()
-                    logger.warning("hilore-verl: out of memory at step %d; retry %d/%d with every unit recomputed, "
-                                   "planning 10%% tighter from now on", self._step, retries, self.hilore.oom_retries)
+                    message = str(err).splitlines()[0] if str(err) else "out of memory"
+                except BaseException:
+                    self._recover()
+                    raise
+                # outside the except block: the failed attempt's graph went with its traceback
+                self._recover()
+                self._retries += 1
+                self._fallback = self.controller.on_oom()
+                logger.warning("hilore-verl: %s at step %d; retry %d/%d with every unit recomputed, planning 10%% "
+                               "tighter from now on", message, self._step, self._retries, self.hilore.oom_retries)
         finally:
             self._fallback = None
 
-    def _audit(self, micro_batch):
-        """Exact vs planned gradient of one micro-batch (2 extra forward + backward passes)."""
-        c = self._coefficients(micro_batch)
-        plan = self.controller.plan_micro_batch(0)
-        approx = self._surrogate_gradient(self.controller.runtime_plan(plan), micro_batch, c)
-        exact = self._surrogate_gradient({}, micro_batch, c)
+    def _recover(self) -> None:
+        """Forget a failed forward / backward: runtime ready, FSDP2 state reset, no gradient left."""
+        self.runtime.reset()
+        reset_after_failure(self.module, self.optimizer)
+        get_torch_device().empty_cache()
+
+    def optimizer_step(self):
+        """verl's optimizer step (clip + step), undone on any fault from a host snapshot taken before it;
+        an out-of-memory error is then retried exactly (same gradients, same state) within oom_retries."""
+        snapshot = StepSnapshot(self.module, self.optimizer) if self.hilore.step_snapshot else None
+        while True:
+            try:
+                return super().optimizer_step()
+            except torch.OutOfMemoryError:
+                if snapshot is None:
+                    raise StepFailed("hilore-verl: out of memory inside the optimizer step, which may have updated "
+                                     "some parameters already; with hilore.step_snapshot=false it cannot be undone: "
+                                     "resume from the last checkpoint") from None
+                snapshot.restore()
+                if self._retries >= self.hilore.oom_retries:
+                    raise
+            except BaseException as err:
+                if snapshot is None:
+                    raise StepFailed(f"hilore-verl: the optimizer step failed ({type(err).__name__}) and may have "
+                                     "updated some parameters already; with hilore.step_snapshot=false it cannot "
+                                     "be undone: resume from the last checkpoint") from err
+                snapshot.restore()
+                raise
+            self._retries += 1
+            get_torch_device().empty_cache()
+            logger.warning("hilore-verl: out of memory in the optimizer step at step %d; state restored, retry %d/%d",
+                           self._step, self._retries, self.hilore.oom_retries)
+
+    def _audit(self, micro_batches):
+        """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes).
+
+        The surrogate sum_t c_t log p_t measures the c part of the update, so the micro-batch is chosen
+        by the L2 of c (all-reduced: the same on every rank, so every rank audits the same index) and
+        its prediction uses that exposure, without the entropy bound planning adds. No micro-batch
+        with exposure, or a zero exact gradient: None, and nothing is recorded or changed."""
+        coefficients = [self._coefficients(mb) for mb in micro_batches]
+        squares = torch.tensor([float(c.double().pow(2).sum()) for c in coefficients], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(squares, group=self.get_data_parallel_group())
+        exposure_l2 = squares.sqrt().tolist()
+        index = self.controller.audit_micro_batch(self._step, exposure_l2)
+        if index is None:
+            return None
+        batch, c = micro_batches[index], coefficients[index]
+        plan = self.controller.plan_micro_batch(index)
+        approx = self._surrogate_gradient(self.controller.runtime_plan(plan), batch, c)
+        exact = self._surrogate_gradient({}, batch, c)
         self.optimizer.zero_grad()
-        return self.controller.record_audit(self._step, exact, approx, self.controller.exposure_l2(0))
+        return self.controller.record_audit(self._step, exact, approx, exposure_l2[index])
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         if forward_only or self.controller is None:

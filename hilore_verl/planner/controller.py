@@ -5,6 +5,7 @@
     for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.end_mini_batch(measured_peak_bytes)
     on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
+    checkpoints:             dump_state(ctl.state_dict()) -> JSON text; load_state(text, unit_names) -> validated state
 
 Memory model of the actor update's peak (what the planner must keep under the budget):
 
@@ -19,6 +20,7 @@ compresses; a high-exposure one must keep or recompute more.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.planner.solver import Infeasible, solve
-from hilore_verl.risk import GradientAudit, RiskModel
+from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
@@ -56,6 +58,7 @@ class Controller:
     free_bytes: float | None = None
     memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
     audit: GradientAudit | None = None  # run by the integration on its schedule; adjusts risk_budget
+    stochastic: bool = False  # compressed units round stochastically (seeded by the runtime's RuntimeConfig.seed)
     history: list[PlanRecord] = field(default_factory=list)
 
     def __post_init__(self):
@@ -67,6 +70,7 @@ class Controller:
         self._cache: dict[tuple, dict[str, str]] = {}
         self._micro: list[tuple[float, int]] = []
         self._allowance2 = 0.0
+        self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
 
     # ------------------------------------------------------------------ memory model
     def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
@@ -104,6 +108,7 @@ class Controller:
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * float(e2.sum()) / n
         self._micro = [(math.sqrt(float(a)), int(t)) for a, t in zip(e2, tok)]
+        self._audit_result = None
 
     def exposure_l2(self, index: int) -> float:
         """Global (all-reduced) exposure of micro-batch `index` of this mini-batch."""
@@ -125,8 +130,9 @@ class Controller:
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
                 plan = self._solve(l2, tokens, allowance)
         solve_ms = (time.perf_counter() - start) * 1e3
-        self.runtime.set_plan(self.runtime_plan(plan))
-        predicted_risk = self.risk.predict(plan, l2) if self.risk is not None else 0.0
+        unit_plans = self.runtime_plan(plan)
+        self.runtime.set_plan(unit_plans)
+        predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
         self.history.append(PlanRecord(plan, self.predicted_peak(plan, tokens), predicted_risk, allowance, solve_ms))
         return plan
 
@@ -136,13 +142,16 @@ class Controller:
         return self._solve(exposure_l2, tokens, allowance)
 
     def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
-        """Option names ("int8+offload", ...) as the runtime's UnitPlans."""
-        out = {}
-        for unit, choice in plan.items():
-            fmt, _, offload = choice.partition("+")
-            out[unit] = (UnitPlan.parse(fmt) if fmt in ("keep", "recompute") else
-                         UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload)))
-        return out
+        """Option names ("int8+offload", ...) as the runtime's UnitPlans (the cost table's group size;
+        stochastic rounding when the controller was built with `stochastic=True`)."""
+        return {unit: self._unit_plan(choice) for unit, choice in plan.items()}
+
+    def _unit_plan(self, choice: str) -> UnitPlan:
+        fmt, _, offload = choice.partition("+")
+        if fmt in ("keep", "recompute"):
+            return UnitPlan.parse(fmt)
+        return UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload),
+                        stochastic=self.stochastic)
 
     def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
         """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
@@ -154,7 +163,9 @@ class Controller:
         return held + self.costs.unmanaged_bytes * self.costs.scale(tokens)
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
-        risk = (lambda unit, fmt: self.risk.unit_risk(unit, fmt, l2)) if self.risk is not None else None
+        risk = None
+        if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
+            risk = lambda unit, fmt: self.risk.unit_risk(unit, self._unit_plan(fmt), l2)  # noqa: E731
         options = [self.costs.options(u, tokens, risk) for u in self.costs.units]
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
@@ -164,7 +175,8 @@ class Controller:
     def after_forward(self, index: int, exposure_l2_exact: float) -> None:
         """Record the risk actually spent, from the exact coefficients (after the forward, before backward)."""
         if self.history and self.risk is not None:
-            self.history[-1].spent_risk = self.risk.predict(self.history[-1].plan, exposure_l2_exact)
+            self.history[-1].spent_risk = self.risk.predict(self.runtime_plan(self.history[-1].plan),
+                                                            exposure_l2_exact)
 
     def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
         """If the measured peak went over the budget, plan tighter from now on."""
@@ -175,13 +187,33 @@ class Controller:
         """Whether the integration should compute an exact gradient next to this step's approximate one."""
         return self.audit is not None and self.audit.due(step)
 
+    def audit_micro_batch(self, step: int, exposure_l2: list[float] | None = None) -> int | None:
+        """Which micro-batch of this mini-batch to audit at `step`: one with exposure, rotating over
+        them from one audit to the next; None (skip the audit) when no micro-batch has any.
+
+        `exposure_l2`: the global (all-reduced) exposure per micro-batch to choose by (default: the
+        ones `begin_mini_batch` all-reduced). The choice depends on nothing else, so every
+        data-parallel rank audits the same micro-batch index, as the audit's all-reduce needs."""
+        exposures = [l2 for l2, _ in self._micro] if exposure_l2 is None else list(exposure_l2)
+        candidates = [i for i, l2 in enumerate(exposures) if l2 > 0]
+        if not candidates:
+            return None
+        every = self.audit.every if self.audit is not None else 1
+        return candidates[(step // every) % len(candidates)]
+
     def record_audit(self, step: int, exact: torch.Tensor, approx: torch.Tensor, exposure_l2: float):
         """Feed an audit (exact vs approximate gradient of a sampled micro-batch under the last plan);
-        the audit re-scales sensitivities and may tighten the risk budget, which the next plans use."""
+        the audit re-scales sensitivities and may tighten the risk budget, which the next plans use.
+        Returns the AuditResult, or None when the exact gradient was zero (nothing recorded or changed).
+        The result's metrics are part of `metrics()` until the next `begin_mini_batch`."""
         reduce = None
         if dist.is_available() and dist.is_initialized():  # shards: every rank must see the same result
             reduce = lambda t: dist.all_reduce(t, group=self.group)  # noqa: E731
-        result = self.audit.run(step, exact, approx, self.history[-1].plan, exposure_l2, reduce=reduce)
+        result = self.audit.run(step, exact, approx, self.runtime_plan(self.history[-1].plan), exposure_l2,
+                                reduce=reduce)
+        if result is None:
+            return None
+        self._audit_result = result
         self.risk_budget = result.risk_budget
         self._cache.clear()
         return result
@@ -196,7 +228,8 @@ class Controller:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """What a resumed run needs to continue calibrated: costs, risk model, budgets, audit state."""
+        """What a resumed run needs to continue calibrated: costs, risk model, budgets, audit state.
+        Plain numbers, names and lists: `dump_state` writes it as JSON, `load_state` validates it."""
         return {"costs": dataclasses.asdict(self.costs), "risk": self.risk.state_dict() if self.risk else None,
                 "risk_budget": self.risk_budget, "memory_factor": self.memory_factor,
                 "audit_budget": self.audit.risk_budget if self.audit is not None else None}
@@ -240,9 +273,131 @@ class Controller:
                     "hilore/plan/solver_ms": last.solve_ms})
         if last.spent_risk is not None:
             out["hilore/plan/risk_spent"] = last.spent_risk
-        if self.audit is not None and self.audit.history:
-            out.update(self.audit.history[-1].metrics())
+        if self._audit_result is not None:  # only in the mini-batch whose audit ran
+            out.update(self._audit_result.metrics())
         return out
 
 
-__all__ = ["Controller", "Infeasible", "PlanRecord"]
+# ---------------------------------------------------------------------- the state as a file
+STATE_FORMAT = "hilore-verl/controller-state"
+STATE_VERSION = 1
+MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
+
+
+def dump_state(state: dict) -> str:
+    """`Controller.state_dict()` as JSON text, tagged with its format and version. Floats are written
+    as their shortest repr, so they load back bit for bit; a non-finite number raises ValueError."""
+    try:
+        return json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": state},
+                          allow_nan=False, indent=1, sort_keys=True)
+    except ValueError as err:
+        raise ValueError(f"the controller state holds a non-finite number ({err})") from None
+
+
+def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
+    """Parse and validate what `dump_state` wrote; no code runs (plain JSON). ValueError saying what is
+    wrong for anything else: not JSON, another format or version, a missing, extra or mistyped field,
+    a non-finite or out-of-range number, or a unit list other than `unit_names` (this model's units)."""
+    if len(text) > MAX_STATE_BYTES:
+        raise ValueError(f"{len(text)} bytes, more than a controller state takes ({MAX_STATE_BYTES})")
+
+    def no_constants(name):
+        raise ValueError(f"non-finite number {name}")
+
+    try:
+        doc = json.loads(text, parse_constant=no_constants)
+    except RecursionError:
+        raise ValueError("not a controller state: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"not JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a hilore-verl controller state (no format tag {STATE_FORMAT!r})")
+    if doc.get("version") != STATE_VERSION or isinstance(doc.get("version"), bool):
+        raise ValueError(f"controller state version {doc.get('version')!r}; this hilore-verl reads version "
+                         f"{STATE_VERSION}")
+    _keys("", doc, {"format", "version", "state"})
+    state = doc["state"]
+    _keys("state", state, {"costs", "risk", "risk_budget", "memory_factor", "audit_budget"})
+    _check_costs(state["costs"], unit_names)
+    names = [u["name"] for u in state["costs"]["units"]]
+    if state["risk"] is not None:
+        _check_risk(state["risk"], names)
+    _number("state.risk_budget", state["risk_budget"], lambda v: v >= 0, ">= 0")
+    _number("state.memory_factor", state["memory_factor"], lambda v: 0 < v <= 1, "in (0, 1]")
+    if state["audit_budget"] is not None:
+        _number("state.audit_budget", state["audit_budget"], lambda v: v > 0, "> 0 (or null)")
+    return state
+
+
+def _keys(where: str, value, expected: set) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where or 'the file'}: expected an object, got {type(value).__name__}")
+    missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
+    problems = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unexpected {', '.join(extra)}"] if extra else [])
+    if problems:
+        raise ValueError(f"{where or 'the file'}: " + "; ".join(problems))
+
+
+def _number(where: str, value, ok=lambda v: True, valid: str = "", integer: bool = False) -> None:
+    kinds = (int,) if integer else (int, float)
+    non_finite = isinstance(value, float) and not math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, kinds) or non_finite or not ok(value):
+        raise ValueError(f"{where}: expected {'an integer' if integer else 'a finite number'} {valid}, got {value!r}")
+
+
+def _check_costs(costs, unit_names: list[str] | None) -> None:
+    from hilore_verl.kernels import FORMATS, GROUP_SIZES
+
+    _keys("state.costs", costs, {f.name for f in dataclasses.fields(CostTable)})
+    units = costs["units"]
+    if not isinstance(units, list) or not units:
+        raise ValueError("state.costs.units: expected a non-empty list")
+    for i, unit in enumerate(units):
+        where = f"state.costs.units[{i}]"
+        _keys(where, unit, {f.name for f in dataclasses.fields(UnitProfile)})
+        if not isinstance(unit["name"], str):
+            raise ValueError(f"{where}.name: expected a string, got {unit['name']!r}")
+        for key in ("saved_bytes", "held_bytes", "forward_s"):
+            _number(f"{where}.{key}", unit[key], lambda v: v >= 0, ">= 0")
+        _number(f"{where}.compressible", unit["compressible"], lambda v: 0 <= v <= 1, "in [0, 1]")
+    names = [u["name"] for u in units]
+    if len(set(names)) != len(names):
+        raise ValueError("state.costs.units: a unit is listed twice")
+    if unit_names is not None and names != list(unit_names):
+        raise ValueError(f"its {len(names)} units ({names[0]} ... {names[-1]}) are not this model's "
+                         f"{len(unit_names)} units ({unit_names[0]} ... {unit_names[-1]}): saved for another model")
+    _number("state.costs.tokens", costs["tokens"], lambda v: v >= 1, ">= 1", integer=True)
+    _number("state.costs.element_size", costs["element_size"], lambda v: v in (1, 2, 4, 8), "in 1, 2, 4, 8",
+            integer=True)
+    _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
+            integer=True)
+    _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
+    for key in ("codec_bytes_per_s", "host_bytes_per_s"):
+        _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")
+    formats = costs["formats"]
+    if not isinstance(formats, list) or any(not isinstance(f, str) or f not in FORMATS for f in formats):
+        raise ValueError(f"state.costs.formats: expected a list of {', '.join(FORMATS)}, got {formats!r}")
+    if not isinstance(costs["offload"], bool):
+        raise ValueError(f"state.costs.offload: expected true or false, got {costs['offload']!r}")
+
+
+def _check_risk(risk, names: list[str]) -> None:
+    _keys("state.risk", risk, {"sensitivity", "grad_scale", "log_sum", "count"})
+    known = set(names)
+    for key, integer, ok, valid in (("sensitivity", False, lambda v: v >= 0, ">= 0"),
+                                    ("log_sum", False, lambda v: True, ""),
+                                    ("count", True, lambda v: v >= 1, ">= 1")):
+        table = risk[key]
+        if not isinstance(table, dict):
+            raise ValueError(f"state.risk.{key}: expected an object (unit -> number), got {type(table).__name__}")
+        for unit, value in table.items():
+            if unit not in known:
+                raise ValueError(f"state.risk.{key}: {unit!r} is not a unit of the cost table")
+            _number(f"state.risk.{key}[{unit!r}]", value, ok, valid, integer=integer)
+    if set(risk["log_sum"]) != set(risk["count"]):
+        raise ValueError("state.risk: log_sum and count name different units")
+    if risk["grad_scale"] is not None:
+        _number("state.risk.grad_scale", risk["grad_scale"], lambda v: v > 0, "> 0 (or null)")
+
+
+__all__ = ["Controller", "Infeasible", "PlanRecord", "STATE_FORMAT", "STATE_VERSION", "dump_state", "load_state"]

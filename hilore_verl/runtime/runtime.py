@@ -366,8 +366,9 @@ class Runtime:
             return Kept(t)
         parameter = _is_parameter_like(t)
         if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
-            fwd.stats.add_unmanaged(t, parameter)
-            return Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
+            kept = Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
+            fwd.stats.add_unmanaged(kept.tensor, parameter)  # the stats watch what lives as long as the graph
+            return kept
         entry = self._lookup(t)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
@@ -377,8 +378,9 @@ class Runtime:
         else:
             unit = None
         if unit is None:
-            fwd.stats.add_unmanaged(t, False)
-            return Kept(t)
+            kept = Kept(t)
+            fwd.stats.add_unmanaged(kept.tensor, False)
+            return kept
         return self._store(t, unit, record, locator, geometry, fwd)
 
     def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
@@ -388,16 +390,18 @@ class Runtime:
         key = storage_key(t)
         count = fwd.stats.add if saved else fwd.stats.add_held
         if plan.mode == Mode.KEEP:
-            count(unit, key, t, stored=t.numel() * t.element_size())
-            return Kept(t)
+            kept = Kept(t)
+            count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
+            return kept
         if plan.mode == Mode.COMPRESS:
             held = fwd.compressed.get(key)
             if held is None:
                 payload = self._quantize(t, plan)
                 if payload is None or payload.has_nonfinite:  # kept exact, and counted
-                    count(unit, key, t, stored=t.numel() * t.element_size(), nonfinite=payload is not None,
-                          incompressible=payload is None)
-                    return Kept(t)
+                    kept = Kept(t)
+                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(),
+                          nonfinite=payload is not None, incompressible=payload is None)
+                    return kept
                 held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
                                else Compressed(payload, t.shape), VersionWatch(t))
                 fwd.compressed.put(key, t, held)
@@ -432,8 +436,9 @@ class Runtime:
         """How a tensor needed for a later recompute is held: by its producer's mode."""
         entry = self._lookup(t) if self._managed(t) else None
         if entry is None or entry.unit is None or entry.record is None:
-            self._fwd.stats.add_unmanaged_held(t)
-            return Kept(t, alias=not isinstance(t, nn.Parameter))
+            kept = Kept(t, alias=not isinstance(t, nn.Parameter))
+            self._fwd.stats.add_unmanaged_held(kept.tensor)
+            return kept
         return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
                            saved=False)
 

@@ -1,0 +1,278 @@
+"""Fault injection into HiLoReFSDPEngine's training step, on 2 gloo ranks, deferred gradient sync on and off.
+
+One engine trains step after step; a reference engine trains the same steps without faults. At each
+step one fault is injected on both ranks at one point (a micro-batch's forward or backward, the
+gradient reduce-scatter, gradient clipping, the optimizer step), first with no retry allowed, then
+with one: the first must raise with the parameters and optimizer state as before the step, the
+second must end bitwise equal to the uninterrupted step. Risk budget 0 (keep / recompute only), so
+every plan, the all-recompute retry included, gives the exact gradient.
+
+`python -m tests.test_faults_on_cpu` prints the outcome table that docs/design.md shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hilore_verl.tiny_models import save_tiny_model
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from tests.harness.distributed import run_on_ranks
+
+WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)  # 2 micro-batches/rank
+POINTS = ["forward:0", "forward:1", "backward:0", "backward:1", "grad_sync", "clip", "optimizer_step",
+          "value_error:0"]  # value_error:i: a ValueError (not out of memory) in micro-batch i's forward
+OOM = torch.OutOfMemoryError
+
+
+class Injected(ValueError):
+    """A fault that is not out of memory."""
+
+
+def _inject(engine, point: str):
+    """Arm one fault at `point` for the next train_batch; returns a function that disarms it."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    fired = []
+
+    def fire(kind=OOM):
+        if not fired:
+            fired.append(1)
+            raise kind(f"injected at {point}")
+
+    undo = []
+    kind, _, index = point.partition(":")
+    if kind in ("forward", "backward", "value_error"):
+        calls = []
+
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return output  # no-grad passes, and recomputes inside backward, are not micro-batch forwards
+            calls.append(1)
+            if len(calls) - 1 != int(index or 0):
+                return output
+            if kind == "backward":
+                output.register_hook(lambda grad: fire() or grad)
+                return output
+            fire(Injected if kind == "value_error" else OOM)
+
+        handle = engine.module.model.layers[1].mlp.register_forward_hook(hook)
+        undo.append(handle.remove)
+    elif kind == "grad_sync":
+        real = param_group.foreach_reduce
+
+        def reduce(*args, **kwargs):
+            fire()
+            return real(*args, **kwargs)
+
+        param_group.foreach_reduce = reduce
+        undo.append(lambda: setattr(param_group, "foreach_reduce", real))
+    elif kind == "clip":
+        real = impl.fsdp2_clip_grad_norm_
+
+        def clip(*args, **kwargs):
+            norm = real(*args, **kwargs)  # gradients are scaled in place by now
+            fire()
+            return norm
+
+        impl.fsdp2_clip_grad_norm_ = clip
+        undo.append(lambda: setattr(impl, "fsdp2_clip_grad_norm_", real))
+    elif kind == "optimizer_step":
+        real = engine.optimizer.step
+
+        def step(*args, **kwargs):
+            out = real(*args, **kwargs)  # every parameter and moment updated, counters advanced
+            fire()
+            return out
+
+        engine.optimizer.step = step
+        undo.append(lambda: engine.optimizer.__dict__.pop("step", None))
+    else:
+        raise ValueError(point)
+    return lambda: [u() for u in undo]
+
+
+def _state(engine):
+    params = {n: p.full_tensor().clone() for n, p in engine.module.named_parameters()}
+    steps = sorted({float(s["step"]) for s in engine.optimizer.state.values()})
+    return params, steps
+
+
+def _same(a, b) -> bool:
+    return a[1] == b[1] and all(torch.equal(a[0][n], t) for n, t in b[0].items())
+
+
+def _suite(rank, world_size, model_dir, batch, defer, points):
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+
+    def engine():
+        return build_fsdp_engine(model_dir, lr=1e-2, clip_grad=0.5, defer_gradient_sync=defer,
+                                 engine_cls=HiLoReFSDPEngine, actor_config=config,
+                                 hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
+
+    def step(e):
+        with e.train_mode():
+            return e.train_batch(td.clone(), loss_function=loss_fn)
+
+    reference, states = engine(), []
+    for _ in range(len(points) + 1):
+        step(reference)
+        states.append(_state(reference))
+    del reference
+    faulty = engine()
+    step(faulty)
+    rows = []
+    for k, point in enumerate(points, start=1):
+        row = {"point": point, "defer_sync": defer}
+        for retries in (0, 1):
+            faulty.hilore = dataclasses.replace(faulty.hilore, oom_retries=retries)
+            disarm = _inject(faulty, point)
+            try:
+                out = step(faulty)
+                outcome, metric = "completed", out["metrics"]["hilore/oom_retries"]
+            except (OOM, Injected) as err:
+                outcome, metric = type(err).__name__, None
+            finally:
+                disarm()
+            state = _state(faulty)
+            grads_left = any(p.grad is not None for p in faulty.module.parameters())
+            row[retries] = {"outcome": outcome, "retries_metric": metric, "grads_left": grads_left,
+                            "as_before": _same(state, states[k - 1]), "as_uninterrupted": _same(state, states[k])}
+        rows.append(row)
+    return rows
+
+
+def _check(rows):
+    for row in rows:
+        failed, retried = row[0], row[1]
+        assert failed["outcome"] != "completed" and failed["as_before"] and not failed["grads_left"], row
+        if row["point"].startswith("value_error"):  # not out of memory: never retried, state as before
+            assert retried["outcome"] == "Injected" and retried["as_before"], row
+        else:
+            assert retried["outcome"] == "completed" and retried["retries_metric"] == [1.0], row
+            assert retried["as_uninterrupted"], row
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred_sync", "sync_each_micro_batch"])
+def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_path, defer):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    ranks = run_on_ranks(_suite, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), defer, POINTS))
+    assert ranks[0] == ranks[1]
+    _check(ranks[0])
+
+
+def _no_snapshot(rank, world_size, model_dir, batch):
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.recovery import StepFailed
+
+    config = actor_config()
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+    engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.0, "step_snapshot": False})
+    disarm = _inject(engine, "optimizer_step")
+    try:
+        with engine.train_mode():
+            engine.train_batch(td, loss_function=ppo_loss_fn(config))
+    except StepFailed as err:
+        return str(err)
+    finally:
+        disarm()
+    return "no error"
+
+
+def test_without_a_snapshot_a_fault_in_the_optimizer_step_stops_training(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    for message in run_on_ranks(_no_snapshot, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3))):
+        assert "cannot be undone" in message and "checkpoint" in message, message
+
+
+def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
+    """Faults in the first step's profiling and in an audit; a budget measured from free memory."""
+    import hilore_verl.integration.hilore_engine as hilore_engine
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from tests.test_hilore_engine_on_cpu import _gpu_like_profile
+
+    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
+    config = actor_config()
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+    engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1,
+                                       "budget": {"mode": "auto", "value": 0}})
+
+    def step():
+        with engine.train_mode():
+            return engine.train_batch(td.clone(), loss_function=ppo_loss_fn(config))
+
+    before = _state(engine)
+    disarm = _inject(engine, "forward:0")  # the first grad-enabled forward is the profiling probe
+    try:
+        step()
+        profile_fault = "no error"
+    except OOM:
+        profile_fault = "raised"
+    finally:
+        disarm()
+    result = {"profile_fault": profile_fault, "controller_after_fault": engine.controller is not None,
+              "step_after_fault": engine._step, "unchanged": _same(_state(engine), before),
+              "grads_left": any(p.grad is not None for p in engine.module.parameters())}
+    out = step()
+    result["first_audit"] = "hilore/audit/cosine" in out["metrics"]
+    real, calls = engine._surrogate_gradient, []
+
+    def surrogate_fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OOM("injected in the audit")
+        return real(*args, **kwargs)
+
+    engine._surrogate_gradient = surrogate_fails_once
+    out = step()
+    result.update(second_audit="hilore/audit/cosine" in out["metrics"], retries=out["metrics"]["hilore/oom_retries"],
+                  step=engine._step, budget_gib=engine.controller.memory_budget / 2**30,
+                  gc_peak_gib=engine.controller.gc_peak / 2**30)
+    return result
+
+
+def test_faults_in_profiling_and_audit_and_an_auto_budget(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    ranks = run_on_ranks(_profile_audit_and_auto_budget, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3)))
+    assert ranks[0] == ranks[1]  # one budget, one plan, one outcome everywhere
+    r = ranks[0]
+    assert r["profile_fault"] == "raised" and not r["controller_after_fault"] and r["step_after_fault"] == 0
+    assert r["unchanged"] and not r["grads_left"]
+    assert r["first_audit"] and not r["second_audit"] and r["retries"] == [0.0] and r["step"] == 2
+    assert r["budget_gib"] > r["gc_peak_gib"] > 0  # host memory available here dwarfs a tiny model's peak
+
+
+def _table(rows) -> str:
+    def cell(r):
+        if r["outcome"] == "completed":
+            return "retried; bitwise = uninterrupted step" if r["as_uninterrupted"] else "retried; DIFFERS"
+        return f"raised {r['outcome']}; " + ("state as before the step" if r["as_before"] else "STATE CHANGED")
+
+    lines = ["| fault point | gradient sync | oom_retries 0 | oom_retries 1 |", "|---|---|---|---|"]
+    for row in rows:
+        sync = "deferred" if row["defer_sync"] else "every micro-batch"
+        lines.append(f"| {row['point']} | {sync} | {cell(row[0])} | {cell(row[1])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = save_tiny_model(f"{tmp}/tiny-qwen2", "qwen2", seed=0)
+        rows = []
+        for defer in (True, False):
+            rows += run_on_ranks(_suite, 2, args=(directory, make_grpo_batch(WORKLOAD, seed=3), defer, POINTS))[0]
+        print(_table(rows))
