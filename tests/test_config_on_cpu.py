@@ -104,3 +104,15 @@ def test_direct_construction_is_checked_too(kwargs, message):
 def test_budget_config_rejects_non_finite_and_out_of_range_values(mode, value):
     with pytest.raises(ValueError, match="budget value must be > 0 .* and finite"):
         BudgetConfig(mode, value)
+
+
+def test_every_key_is_documented_in_config_md():
+    import dataclasses
+    import pathlib
+
+    from hilore_verl.config import HiLoReConfig
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    keys = [f.name for f in dataclasses.fields(HiLoReConfig) if f.name != "budget"] + ["budget.mode", "budget.value"]
+    missing = [k for k in keys if f"| `{k}` |" not in text]
+    assert not missing, f"docs/config.md has no row for: {missing}"

@@ -63,7 +63,7 @@ def _unit_names():
 
 def _valid_state_text(names):
     from hilore_verl.planner import BudgetConfig, Controller, CostTable, UnitProfile
-    from hilore_verl.planner.controller import dump_state
+    from hilore_verl.planner.state import dump_state
 
     costs = CostTable([UnitProfile(n, 1000.0 + i, 10.0, 1e-3 / (i + 1)) for i, n in enumerate(names)], tokens=96,
                       unmanaged_bytes=123.0)
@@ -203,6 +203,7 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     import torch.distributed as dist
 
     import hilore_verl.integration.hilore_engine as hilore_engine
+    import hilore_verl.integration.controller_file as controller_file
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
 
@@ -228,15 +229,15 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
             path = _write_case(ckpt_dir, "good" if case == "one rank" else case, good)
         dist.barrier()
         path = os.path.join(ckpt_dir, "hilore_controller.pt" if case == "legacy" else "hilore_controller.json")
-        load_state = hilore_engine.load_state
+        load_state = controller_file.load_state
         if case == "one rank" and rank == 1:  # this rank alone cannot use the file: nobody may
-            hilore_engine.load_state = lambda *a, **k: (_ for _ in ()).throw(ValueError("simulated"))
+            controller_file.load_state = lambda *a, **k: (_ for _ in ()).throw(ValueError("simulated"))
         handler.messages.clear()
         before = len(profiles)
         try:
             engine.load_checkpoint(ckpt_dir, del_local_after_load=False)
         finally:
-            hilore_engine.load_state = load_state
+            controller_file.load_state = load_state
         _train_step(engine, batch, rank, world_size, loss_fn)
         messages = [m for m in handler.messages if "controller state" in m]
         results[case] = {"profiled": len(profiles) - before, "messages": messages,

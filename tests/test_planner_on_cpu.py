@@ -324,7 +324,7 @@ def _calibrated_state(costs):
 
 
 def test_the_controller_state_round_trips_through_json_exactly(tiny):
-    from hilore_verl.planner.controller import STATE_FORMAT, dump_state, load_state
+    from hilore_verl.planner.state import STATE_FORMAT, dump_state, load_state
 
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
@@ -363,7 +363,7 @@ def _edit(text, change):
     ("factor", r"state.memory_factor: expected a finite number in \(0, 1\]"),
 ])
 def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, match):
-    from hilore_verl.planner.controller import dump_state, load_state
+    from hilore_verl.planner.state import dump_state, load_state
 
     _, rt, _, _, costs = tiny
     text = dump_state(_calibrated_state(costs))

@@ -151,12 +151,12 @@ def test_plan_swap_changes_behaviour_without_reattaching():
     _, grads0 = policy_gradient_step(ref)
     model = copy.deepcopy(ref)
     rt = attach(model)
-    hooks = len(rt._handles)
+    hooks = len(rt._installed.handles)
     rt.set_plan({"layers": "int8"})
     _, lossy = policy_gradient_step(model)
     rt.set_plan({"layers": "recompute"})
     _, exact = policy_gradient_step(model)
-    assert len(rt._handles) == hooks
+    assert len(rt._installed.handles) == hooks
     assert not all(torch.equal(lossy[n], g) for n, g in grads0.items())
     assert all(torch.equal(exact[n], g) for n, g in grads0.items())
     assert rt.stats().units["layers.1.mlp.act"].mode == "recompute"

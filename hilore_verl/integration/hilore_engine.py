@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any, Mapping
 
 import torch
@@ -30,10 +29,10 @@ import hilore_verl
 from hilore_verl import exposure
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor_config import BACKEND
+from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.device_memory import available_bytes
 from hilore_verl.integration.recovery import StepFailed, StepSnapshot, reset_after_failure
 from hilore_verl.planner import Controller, profile
-from hilore_verl.planner.controller import MAX_STATE_BYTES, dump_state, load_state
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
@@ -201,23 +200,10 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             risk.grad_scale = total / count if count else None
 
     # ------------------------------------------------------------------ checkpoints
-    STATE_FILE = "hilore_controller.json"
-    LEGACY_STATE_FILE = "hilore_controller.pt"  # pickled by earlier versions: never loaded (unpickling runs code)
-
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep, **kwargs)
         if self.controller is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            path = os.path.join(local_path, self.STATE_FILE)  # every rank holds the same state: rank 0 writes it
-            try:
-                text = dump_state(self.controller.state_dict())
-            except ValueError as err:  # a non-finite number: a resumed run profiles again rather than load it
-                logger.warning("hilore-verl: controller state not written to %s (%s); a run resumed from this "
-                               "checkpoint profiles and calibrates again", path, err)
-                return
-            os.makedirs(local_path, exist_ok=True)
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(path + ".tmp", path)  # never a half-written state under the real name
+            write_controller_state(self.controller.state_dict(), local_path)  # every rank holds the same state
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         state = self._read_state(local_path)  # before verl's load, which may delete local_path
@@ -225,33 +211,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._restored, self.controller = state, None  # no state: the first step profiles and calibrates
 
     def _read_state(self, local_path) -> dict | None:
-        """The controller state of a checkpoint, validated (JSON only, nothing executed), or None with
-        one warning naming the file and why. Ranks agree: if one rank has no valid state, none uses it."""
-        path = os.path.join(local_path, self.STATE_FILE)
-        legacy = os.path.join(local_path, self.LEGACY_STATE_FILE)
-        state, problem = None, None
-        if os.path.exists(path):
-            units = [u.name for u in self.runtime.units] if self.runtime is not None else None
-            try:
-                if os.path.getsize(path) > MAX_STATE_BYTES:
-                    raise ValueError(f"{os.path.getsize(path)} bytes, more than a controller state takes")
-                with open(path, "rb") as f:
-                    state = load_state(f.read(), units)
-            except (OSError, ValueError) as err:
-                problem = f"{path} is not a usable controller state: {err}"
-        elif os.path.exists(legacy):
-            problem = (f"{legacy} is a controller state in the old pickle format, which is not loaded "
-                       f"(unpickling can run code)")
-        else:
-            problem = f"{local_path} has no controller state ({self.STATE_FILE})"
-        if dist.is_initialized():  # the same decision on every rank, or they would disagree on profiling
-            ok = torch.tensor([0.0 if state is None else 1.0], dtype=torch.float64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.get_data_parallel_group())
-            if state is not None and ok.item() == 0:
-                state, problem = None, f"{path} is valid here, but another rank could not use its controller state"
-        if state is None:
-            logger.warning("hilore-verl: %s; the first step profiles and calibrates again", problem)
-        return state
+        units = [u.name for u in self.runtime.units] if self.runtime is not None else None
+        group = self.get_data_parallel_group() if dist.is_initialized() else None
+        return read_controller_state(local_path, units, group)
 
     # ------------------------------------------------------------------ per step
     def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:

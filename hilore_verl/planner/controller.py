@@ -5,7 +5,7 @@
     for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.end_mini_batch(measured_peak_bytes)
     on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
-    checkpoints:             dump_state(ctl.state_dict()) -> JSON text; load_state(text, unit_names) -> validated state
+    checkpoints:             ctl.state_dict() (plain numbers and names; planner/state.py writes and checks the file)
 
 Memory model of the actor update's peak (what the planner must keep under the budget):
 
@@ -20,7 +20,6 @@ compresses; a high-exposure one must keep or recompute more.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -278,126 +277,4 @@ class Controller:
         return out
 
 
-# ---------------------------------------------------------------------- the state as a file
-STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 1
-MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
-
-
-def dump_state(state: dict) -> str:
-    """`Controller.state_dict()` as JSON text, tagged with its format and version. Floats are written
-    as their shortest repr, so they load back bit for bit; a non-finite number raises ValueError."""
-    try:
-        return json.dumps({"format": STATE_FORMAT, "version": STATE_VERSION, "state": state},
-                          allow_nan=False, indent=1, sort_keys=True)
-    except ValueError as err:
-        raise ValueError(f"the controller state holds a non-finite number ({err})") from None
-
-
-def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
-    """Parse and validate what `dump_state` wrote; no code runs (plain JSON). ValueError saying what is
-    wrong for anything else: not JSON, another format or version, a missing, extra or mistyped field,
-    a non-finite or out-of-range number, or a unit list other than `unit_names` (this model's units)."""
-    if len(text) > MAX_STATE_BYTES:
-        raise ValueError(f"{len(text)} bytes, more than a controller state takes ({MAX_STATE_BYTES})")
-
-    def no_constants(name):
-        raise ValueError(f"non-finite number {name}")
-
-    try:
-        doc = json.loads(text, parse_constant=no_constants)
-    except RecursionError:
-        raise ValueError("not a controller state: nested too deeply") from None
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"not JSON ({err})") from None
-    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
-        raise ValueError(f"not a hilore-verl controller state (no format tag {STATE_FORMAT!r})")
-    if doc.get("version") != STATE_VERSION or isinstance(doc.get("version"), bool):
-        raise ValueError(f"controller state version {doc.get('version')!r}; this hilore-verl reads version "
-                         f"{STATE_VERSION}")
-    _keys("", doc, {"format", "version", "state"})
-    state = doc["state"]
-    _keys("state", state, {"costs", "risk", "risk_budget", "memory_factor", "audit_budget"})
-    _check_costs(state["costs"], unit_names)
-    names = [u["name"] for u in state["costs"]["units"]]
-    if state["risk"] is not None:
-        _check_risk(state["risk"], names)
-    _number("state.risk_budget", state["risk_budget"], lambda v: v >= 0, ">= 0")
-    _number("state.memory_factor", state["memory_factor"], lambda v: 0 < v <= 1, "in (0, 1]")
-    if state["audit_budget"] is not None:
-        _number("state.audit_budget", state["audit_budget"], lambda v: v > 0, "> 0 (or null)")
-    return state
-
-
-def _keys(where: str, value, expected: set) -> None:
-    if not isinstance(value, dict):
-        raise ValueError(f"{where or 'the file'}: expected an object, got {type(value).__name__}")
-    missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
-    problems = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unexpected {', '.join(extra)}"] if extra else [])
-    if problems:
-        raise ValueError(f"{where or 'the file'}: " + "; ".join(problems))
-
-
-def _number(where: str, value, ok=lambda v: True, valid: str = "", integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    non_finite = isinstance(value, float) and not math.isfinite(value)
-    if isinstance(value, bool) or not isinstance(value, kinds) or non_finite or not ok(value):
-        raise ValueError(f"{where}: expected {'an integer' if integer else 'a finite number'} {valid}, got {value!r}")
-
-
-def _check_costs(costs, unit_names: list[str] | None) -> None:
-    from hilore_verl.kernels import FORMATS, GROUP_SIZES
-
-    _keys("state.costs", costs, {f.name for f in dataclasses.fields(CostTable)})
-    units = costs["units"]
-    if not isinstance(units, list) or not units:
-        raise ValueError("state.costs.units: expected a non-empty list")
-    for i, unit in enumerate(units):
-        where = f"state.costs.units[{i}]"
-        _keys(where, unit, {f.name for f in dataclasses.fields(UnitProfile)})
-        if not isinstance(unit["name"], str):
-            raise ValueError(f"{where}.name: expected a string, got {unit['name']!r}")
-        for key in ("saved_bytes", "held_bytes", "forward_s"):
-            _number(f"{where}.{key}", unit[key], lambda v: v >= 0, ">= 0")
-        _number(f"{where}.compressible", unit["compressible"], lambda v: 0 <= v <= 1, "in [0, 1]")
-    names = [u["name"] for u in units]
-    if len(set(names)) != len(names):
-        raise ValueError("state.costs.units: a unit is listed twice")
-    if unit_names is not None and names != list(unit_names):
-        raise ValueError(f"its {len(names)} units ({names[0]} ... {names[-1]}) are not this model's "
-                         f"{len(unit_names)} units ({unit_names[0]} ... {unit_names[-1]}): saved for another model")
-    _number("state.costs.tokens", costs["tokens"], lambda v: v >= 1, ">= 1", integer=True)
-    _number("state.costs.element_size", costs["element_size"], lambda v: v in (1, 2, 4, 8), "in 1, 2, 4, 8",
-            integer=True)
-    _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
-            integer=True)
-    _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
-    for key in ("codec_bytes_per_s", "host_bytes_per_s"):
-        _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")
-    formats = costs["formats"]
-    if not isinstance(formats, list) or any(not isinstance(f, str) or f not in FORMATS for f in formats):
-        raise ValueError(f"state.costs.formats: expected a list of {', '.join(FORMATS)}, got {formats!r}")
-    if not isinstance(costs["offload"], bool):
-        raise ValueError(f"state.costs.offload: expected true or false, got {costs['offload']!r}")
-
-
-def _check_risk(risk, names: list[str]) -> None:
-    _keys("state.risk", risk, {"sensitivity", "grad_scale", "log_sum", "count"})
-    known = set(names)
-    for key, integer, ok, valid in (("sensitivity", False, lambda v: v >= 0, ">= 0"),
-                                    ("log_sum", False, lambda v: True, ""),
-                                    ("count", True, lambda v: v >= 1, ">= 1")):
-        table = risk[key]
-        if not isinstance(table, dict):
-            raise ValueError(f"state.risk.{key}: expected an object (unit -> number), got {type(table).__name__}")
-        for unit, value in table.items():
-            if unit not in known:
-                raise ValueError(f"state.risk.{key}: {unit!r} is not a unit of the cost table")
-            _number(f"state.risk.{key}[{unit!r}]", value, ok, valid, integer=integer)
-    if set(risk["log_sum"]) != set(risk["count"]):
-        raise ValueError("state.risk: log_sum and count name different units")
-    if risk["grad_scale"] is not None:
-        _number("state.risk.grad_scale", risk["grad_scale"], lambda v: v > 0, "> 0 (or null)")
-
-
-__all__ = ["Controller", "Infeasible", "PlanRecord", "STATE_FORMAT", "STATE_VERSION", "dump_state", "load_state"]
+__all__ = ["Controller", "Infeasible", "PlanRecord"]

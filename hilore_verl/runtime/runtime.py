@@ -23,7 +23,6 @@ held is freed with its graph (nothing the runtime holds ties a graph to itself).
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from hilore_verl.kernels import quantize
+from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
@@ -41,7 +41,6 @@ from hilore_verl.runtime.records import (CallRecord, Checked, Compressed, Kept, 
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
-logger = logging.getLogger("hilore_verl")
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -103,9 +102,7 @@ class Runtime:
         self._module_unit: dict[nn.Module, RecoveryUnit] = {m: u for u in units for m in u.modules}
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        self._handles: list[Any] = []
-        self._forward_attrs: list[tuple[nn.Module, Any]] = []
-        self._gc_state: list[tuple[nn.Module, bool, Any]] = []
+        self._installed = Installed()
         self._fwd: _Forward | None = None
         self._hook_ctx: ExitStack | None = None
         self._replay: Replay | None = None
@@ -150,39 +147,17 @@ class Runtime:
     def detach(self) -> None:
         """Remove every hook and wrapper and restore HF gradient checkpointing as it was. A graph
         built before still runs backward (its recomputes re-install the unit hooks for their run)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for module, previous in self._forward_attrs:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._forward_attrs.clear()
-        for module, enabled, func in self._gc_state:
-            module.gradient_checkpointing = enabled
-            if func is not None:
-                module._gradient_checkpointing_func = func
-        self._gc_state.clear()
+        self._installed.remove()
         self.reset()
         self.attached = False
         _ATTACHED.discard(self.model)
 
     # ------------------------------------------------------------------ installation
     def _install(self) -> None:
-        self._take_over_gradient_checkpointing()
-        root_pre = self.model.register_forward_pre_hook(self._root_pre)
-        self._handles.append(root_pre)
-        self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
-        self._install_unit_hooks(self._handles, self._forward_attrs)
+        self._installed.take_over_gradient_checkpointing(u.block for u in self.units if u.block is not None)
+        self._installed.hook_root(self.model, self._root_pre, self._root_post)
+        self._installed.hook_units(self._module_unit, self._unit_pre, self._unit_post, self._replaying_forward)
         self.attached = True
-
-    def _install_unit_hooks(self, handles: list, forward_attrs: list) -> None:
-        for module in self._module_unit:
-            handles.append(module.register_forward_pre_hook(self._unit_pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(self._unit_post, with_kwargs=True, always_call=True))
-            forward_attrs.append((module, module.__dict__.get("forward")))
-            module.forward = self._replaying_forward(module, module.forward)
 
     @contextlib.contextmanager
     def _unit_hooks_for_recompute(self):
@@ -190,31 +165,14 @@ class Runtime:
         if self.attached or self._rehooked:  # attached, or an outer recompute installed them
             yield
             return
-        handles, forward_attrs = [], []
-        self._install_unit_hooks(handles, forward_attrs)
+        temporary = Installed()
+        temporary.hook_units(self._module_unit, self._unit_pre, self._unit_post, self._replaying_forward)
         self._rehooked = True
         try:
             yield
         finally:
             self._rehooked = False
-            for handle in handles:
-                handle.remove()
-            for module, previous in reversed(forward_attrs):
-                if previous is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = previous
-
-    def _take_over_gradient_checkpointing(self) -> None:
-        """HF checkpointing would hide a managed layer's saved tensors from the runtime: switch it off there."""
-        layers = list({id(u.block): u.block for u in self.units
-                       if u.block is not None and getattr(u.block, "gradient_checkpointing", False)}.values())
-        for module in layers:
-            self._gc_state.append((module, True, module.__dict__.get("_gradient_checkpointing_func")))
-            module.gradient_checkpointing = False
-        if layers:
-            logger.warning("hilore-verl: turned off Hugging Face gradient checkpointing on %d decoder layers; "
-                           "the runtime now decides per unit what is kept, compressed or recomputed", len(layers))
+            temporary.remove()
 
     def _replaying_forward(self, module: nn.Module, forward):
         def forward_or_replay(*args, **kwargs):
