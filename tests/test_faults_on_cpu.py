@@ -254,6 +254,41 @@ def test_faults_in_profiling_and_audit_and_an_auto_budget(tmp_path):
     assert r["budget_gib"] > r["gc_peak_gib"] > 0  # host memory available here dwarfs a tiny model's peak
 
 
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_step_snapshot_restores_parameters_gradients_and_adam_state(steps_before):
+    """Plain module, no ranks: whatever a step changed (first-step state included) is put back bitwise."""
+    from hilore_verl.integration.recovery import StepSnapshot
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def grads():
+        model.zero_grad()
+        model(torch.randn(5, 8)).square().sum().backward()
+
+    for _ in range(steps_before):
+        grads()
+        optimizer.step()
+    grads()
+    snapshot = StepSnapshot(model, optimizer)
+    for _ in range(2):  # buffers are reused from one step to the next
+        snapshot.take()
+        before = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                  {n: p.grad.clone() for n, p in model.named_parameters()},
+                  {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()})
+        nbytes = snapshot.nbytes
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        optimizer.step()
+        snapshot.restore()
+        assert all(torch.equal(p, before[0][n]) for n, p in model.named_parameters())
+        assert all(torch.equal(p.grad, before[1][n]) for n, p in model.named_parameters())
+        state = {id(p): s for p, s in optimizer.state.items()}
+        assert state.keys() == before[2].keys()
+        assert all(torch.equal(state[i][k], v) for i, s in before[2].items() for k, v in s.items())
+    assert snapshot.nbytes == nbytes
+
+
 def _table(rows) -> str:
     def cell(r):
         if r["outcome"] == "completed":

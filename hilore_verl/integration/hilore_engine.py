@@ -76,6 +76,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._micro_index = 0
         self._fallback: dict | None = None  # the all-recompute plan while retrying after an OOM
         self._retries = 0  # out-of-memory retries in the current mini-batch
+        self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
 
     # ------------------------------------------------------------------ set-up
     def initialize(self):
@@ -323,7 +324,11 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def optimizer_step(self):
         """verl's optimizer step (clip + step), undone on any fault from a host snapshot taken before it;
         an out-of-memory error is then retried exactly (same gradients, same state) within oom_retries."""
-        snapshot = StepSnapshot(self.module, self.optimizer) if self.hilore.step_snapshot else None
+        snapshot = None
+        if self.hilore.step_snapshot:
+            if self._snapshot is None:
+                self._snapshot = StepSnapshot(self.module, self.optimizer)
+            snapshot = self._snapshot.take()
         while True:
             try:
                 return super().optimizer_step()

@@ -72,27 +72,44 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return _local(t).detach().to("cpu", copy=True)
-
-
 class StepSnapshot:
     """Host copies of what an optimizer step changes: this rank's parameter shards, their gradients
-    (clipping scales them in place) and the optimizer state (moments, step counters). `restore()`
-    writes them back into the same tensors; state the step created (Adam's first step) is removed."""
+    (clipping scales them in place) and the optimizer state (moments, step counters). `take()` refreshes
+    them before each step into host buffers kept from the last one (pinned on CUDA); `restore()` writes
+    them back into the same tensors; state the step created (Adam's first step) is removed."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
+        self.module = module
         self.optimizer = optimizer
-        with torch.no_grad():
-            self.params = [(p, _host_copy(p)) for p in module.parameters()]
-            self.grads = [(p, None if p.grad is None else _host_copy(p.grad)) for p, _ in self.params]
-            self.state = {p: {k: _host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                              for k, v in s.items()}
-                          for p, s in optimizer.state.items()}
-        self.nbytes = sum(t.numel() * t.element_size() for _, t in self.params)
-        self.nbytes += sum(t.numel() * t.element_size() for _, t in self.grads if t is not None)
-        self.nbytes += sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
-                           if isinstance(v, torch.Tensor))
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.params: list = []
+        self.grads: list = []
+        self.state: dict = {}
+
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        src = _local(t).detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+        buf.copy_(src, non_blocking=src.is_cuda)
+        return buf
+
+    @torch.no_grad()
+    def take(self) -> "StepSnapshot":
+        params = list(self.module.parameters())
+        self.params = [(p, self._copy(("p", i), p)) for i, p in enumerate(params)]
+        self.grads = [(p, None if p.grad is None else self._copy(("g", i), p.grad)) for i, p in enumerate(params)]
+        index = {p: i for i, p in enumerate(params)}
+        self.state = {p: {k: self._copy(("s", index.get(p, id(p)), k), v) if isinstance(v, torch.Tensor)
+                          else copy.deepcopy(v) for k, v in s.items()}
+                      for p, s in self.optimizer.state.items()}
+        if any(p.is_cuda for p in params):
+            torch.cuda.synchronize()  # the copies are non-blocking into pinned buffers
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     @torch.no_grad()
     def restore(self) -> None:
