@@ -53,6 +53,9 @@ class HiLoReConfig:
     """Copy this rank's parameter shards, gradients and optimizer state to host memory before each
     optimizer step, so that a fault inside the step is undone (an out-of-memory error then retried
     exactly). False: such a fault stops training with StepFailed (resume from a checkpoint)."""
+    fault_timeout_s: float = 60.0
+    """After an out-of-memory error, how long a rank waits for the others to report the same fault
+    before it stops training (a fault on some ranks only cannot be retried)."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> "HiLoReConfig":
@@ -76,13 +79,14 @@ class HiLoReConfig:
         _check_type("offload", self.offload, bool)
         _check_type("stochastic_rounding", self.stochastic_rounding, bool)
         _check_type("step_snapshot", self.step_snapshot, bool)
+        _check_number("fault_timeout_s", self.fault_timeout_s, "> 0", lambda v: v > 0)
         _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
         _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)
         _check_int("min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
         _check_int("audit_every", self.audit_every, ">= 0", lambda v: v >= 0)
         _check_int("token_bucket", self.token_bucket, ">= 1", lambda v: v >= 1)
         _check_int("seed", self.seed, "any integer", lambda v: True)
-        _check_int("oom_retries", self.oom_retries, ">= 0", lambda v: v >= 0)
+        _check_int("oom_retries", self.oom_retries, "in 0..10", lambda v: 0 <= v <= 10)
         _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
         object.__setattr__(self, "budget", _budget(self.budget))
         object.__setattr__(self, "formats", _formats(self.formats))  # a tuple is checked too
@@ -109,6 +113,9 @@ def _budget(value) -> BudgetConfig:
     unknown = sorted(set(value) - {"mode", "value"})
     if unknown:
         raise ValueError(f"hilore.budget.{unknown[0]}: unknown key; valid keys: mode, value")
+    if value.get("mode", "gc_ratio") != "gc_ratio" and "value" not in value:
+        raise ValueError(f"hilore.budget.value: required with mode {value['mode']} "
+                         "(gib: the budget in GiB, e.g. 40; auto: GiB of headroom, e.g. 2)")
     try:
         return BudgetConfig(**value)
     except ValueError as err:
@@ -139,10 +146,17 @@ def _check_type(key, value, kind) -> None:
         raise ValueError(f"hilore.{key}: expected {kind.__name__}, got {value!r}")
 
 
+def _finite(value) -> bool:
+    """A float that is finite, or an int a float can hold (10**400 is not)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _check_number(key, value, valid, ok) -> None:
     """int or float (never bool, never a str), finite, and in range."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not math.isfinite(value)) or not ok(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or not ok(value):
         raise ValueError(f"hilore.{key}: got {value!r}; valid: a finite number {valid}")
 
 

@@ -116,3 +116,28 @@ def test_every_key_is_documented_in_config_md():
     keys = [f.name for f in dataclasses.fields(HiLoReConfig) if f.name != "budget"] + ["budget.mode", "budget.value"]
     missing = [k for k in keys if f"| `{k}` |" not in text]
     assert not missing, f"docs/config.md has no row for: {missing}"
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"risk_budget": 10**400}, "hilore.risk_budget"),
+    ({"audit_tolerance": 10**400}, "hilore.audit_tolerance"),
+    ({"budget": {"mode": "gib", "value": 10**400}}, "finite"),
+    ({"budget": {"mode": "gc_ratio", "value": 0.5}}, "below what full recompute needs"),
+    ({"budget": {"mode": "auto"}}, "hilore.budget.value: required with mode auto"),
+    ({"budget": {"mode": "gib"}}, "hilore.budget.value: required with mode gib"),
+    ({"oom_retries": 11}, "hilore.oom_retries"),
+    ({"fault_timeout_s": 0}, "hilore.fault_timeout_s"),
+    ({"fault_timeout_s": float("inf")}, "hilore.fault_timeout_s"),
+    ({"step_snapshot": "yes"}, "hilore.step_snapshot"),
+])
+def test_values_that_could_never_work_are_refused_at_start_up(section, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        HiLoReConfig.from_dict(section)
+
+
+def test_unit_plan_group_size_is_checked_in_every_mode():
+    from hilore_verl.runtime.plan import UnitPlan
+
+    for mode in ("keep", "recompute", "compress"):
+        with pytest.raises(ValueError, match="group_size"):
+            UnitPlan(mode, fmt="int8" if mode == "compress" else None, group_size=7)

@@ -4,8 +4,9 @@ One engine trains step after step; a reference engine trains the same steps with
 step one fault is injected on both ranks at one point (a micro-batch's forward or backward, the
 gradient reduce-scatter, gradient clipping, the optimizer step), first with no retry allowed, then
 with one: the first must raise with the parameters and optimizer state as before the step, the
-second must end bitwise equal to the uninterrupted step. Risk budget 0 (keep / recompute only), so
-every plan, the all-recompute retry included, gives the exact gradient.
+second must end bitwise equal to the uninterrupted step. Two settings: "exact" (risk budget 0: keep /
+recompute plans) and "lossy" (risk budget 0.5: compressed units with stochastic rounding, and
+dropout in the model: the retry must draw the same masks and the same rounding).
 
 `python -m tests.test_faults_on_cpu` prints the outcome table that docs/design.md shows.
 """
@@ -105,10 +106,19 @@ def _same(a, b) -> bool:
     return a[1] == b[1] and all(torch.equal(a[0][n], t) for n, t in b[0].items())
 
 
-def _suite(rank, world_size, model_dir, batch, defer, points):
+SETTINGS = {"exact": {"risk_budget": 0.0},
+            # a budget that stays above GC's peak after each retry's 10% tightening, so plans keep compressing
+            "lossy": {"risk_budget": 0.5, "stochastic_rounding": True, "formats": ["int8", "int4"],
+                      "budget": {"mode": "gc_ratio", "value": 4.0}}}
+
+
+def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
+    import hilore_verl.integration.hilore_engine as hilore_engine
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
+    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)  # plans that do not depend on timing
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -116,9 +126,10 @@ def _suite(rank, world_size, model_dir, batch, defer, points):
     def engine():
         return build_fsdp_engine(model_dir, lr=1e-2, clip_grad=0.5, defer_gradient_sync=defer,
                                  engine_cls=HiLoReFSDPEngine, actor_config=config,
-                                 hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
+                                 hilore={"enable": True, "min_bytes": 1024, "audit_every": 0, **SETTINGS[setting]})
 
     def step(e):
+        torch.manual_seed(1000 + e._step)  # dropout: the same draws in both engines at the same step
         with e.train_mode():
             return e.train_batch(td.clone(), loss_function=loss_fn)
 
@@ -131,9 +142,10 @@ def _suite(rank, world_size, model_dir, batch, defer, points):
     step(faulty)
     rows = []
     for k, point in enumerate(points, start=1):
-        row = {"point": point, "defer_sync": defer}
+        row = {"point": point, "defer_sync": defer, "setting": setting}
         for retries in (0, 1):
             faulty.hilore = dataclasses.replace(faulty.hilore, oom_retries=retries)
+            planned = len(faulty.controller.history)
             disarm = _inject(faulty, point)
             try:
                 out = step(faulty)
@@ -142,8 +154,12 @@ def _suite(rank, world_size, model_dir, batch, defer, points):
                 outcome, metric = type(err).__name__, None
             finally:
                 disarm()
+            if retries == 0:  # did the step that failed compress anything?
+                lossy = any(m not in ("keep", "recompute")
+                            for record in faulty.controller.history[planned:] for m in record.plan.values())
             state = _state(faulty)
             grads_left = any(p.grad is not None for p in faulty.module.parameters())
+            row["lossy_plan"] = lossy
             row[retries] = {"outcome": outcome, "retries_metric": metric, "grads_left": grads_left,
                             "as_before": _same(state, states[k - 1]), "as_uninterrupted": _same(state, states[k])}
         rows.append(row)
@@ -161,12 +177,20 @@ def _check(rows):
             assert retried["as_uninterrupted"], row
 
 
+def _model(tmp_path, setting):
+    dropout = {"attention_dropout": 0.2} if setting == "lossy" else {}
+    return save_tiny_model(tmp_path / f"tiny-qwen2-{setting}", "qwen2", seed=0, **dropout)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred_sync", "sync_each_micro_batch"])
-def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_path, defer):
-    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
-    ranks = run_on_ranks(_suite, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), defer, POINTS))
+def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_path, defer, setting):
+    args = (_model(tmp_path, setting), make_grpo_batch(WORKLOAD, seed=3), defer, POINTS, setting)
+    ranks = run_on_ranks(_suite, 2, args=args)
     assert ranks[0] == ranks[1]
     _check(ranks[0])
+    if setting == "lossy":  # the faults hit steps that compress
+        assert all(row["lossy_plan"] for row in ranks[0]), ranks[0]
 
 
 def _no_snapshot(rank, world_size, model_dir, batch):
@@ -289,16 +313,57 @@ def test_step_snapshot_restores_parameters_gradients_and_adam_state(steps_before
     assert snapshot.nbytes == nbytes
 
 
+def _one_rank_fails(rank, world_size, model_dir, batch, point):
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.recovery import StepFailed
+
+    config = actor_config()
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
+    engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.0, "fault_timeout_s": 3})
+
+    def step():
+        with engine.train_mode():
+            engine.train_batch(td.clone(), loss_function=ppo_loss_fn(config))
+
+    step()
+    local = lambda: [p.to_local().clone() for p in engine.module.parameters()]  # noqa: E731
+    before = local()
+    if rank == 1:
+        step()  # waits in a collective for rank 0, until the launcher ends it
+        return None
+    disarm = _inject(engine, point)
+    try:
+        step()
+    except StepFailed as err:
+        restored = all(torch.equal(a, b) for a, b in zip(local(), before))
+        raise RuntimeError(f"stopped: {err}; restored={restored}") from None
+    finally:
+        disarm()
+    raise RuntimeError("rank 0 trained on after a fault its peer did not share")
+
+
+@pytest.mark.parametrize("point", ["forward:1", "optimizer_step"])
+def test_a_fault_on_one_rank_stops_training_instead_of_retrying(tmp_path, point):
+    """A retry on one rank would pair its collectives with the peers' unrelated ones."""
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    with pytest.raises(Exception) as info:
+        run_on_ranks(_one_rank_fails, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), point), timeout_s=240)
+    message = str(info.value)
+    assert "failed on rank 0" in message and "on this rank only" in message and "restored=True" in message, message
+
+
 def _table(rows) -> str:
     def cell(r):
         if r["outcome"] == "completed":
             return "retried; bitwise = uninterrupted step" if r["as_uninterrupted"] else "retried; DIFFERS"
         return f"raised {r['outcome']}; " + ("state as before the step" if r["as_before"] else "STATE CHANGED")
 
-    lines = ["| fault point | gradient sync | oom_retries 0 | oom_retries 1 |", "|---|---|---|---|"]
+    lines = ["| fault point | plans | gradient sync | oom_retries 0 | oom_retries 1 |", "|---|---|---|---|---|"]
     for row in rows:
         sync = "deferred" if row["defer_sync"] else "every micro-batch"
-        lines.append(f"| {row['point']} | {sync} | {cell(row[0])} | {cell(row[1])} |")
+        lines.append(f"| {row['point']} | {row['setting']} | {sync} | {cell(row[0])} | {cell(row[1])} |")
     return "\n".join(lines)
 
 
@@ -306,8 +371,12 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        directory = save_tiny_model(f"{tmp}/tiny-qwen2", "qwen2", seed=0)
+        import pathlib
+
         rows = []
-        for defer in (True, False):
-            rows += run_on_ranks(_suite, 2, args=(directory, make_grpo_batch(WORKLOAD, seed=3), defer, POINTS))[0]
+        for setting in SETTINGS:
+            directory = _model(pathlib.Path(tmp), setting)
+            for defer in (True, False):
+                args = (directory, make_grpo_batch(WORKLOAD, seed=3), defer, POINTS, setting)
+                rows += run_on_ranks(_suite, 2, args=args)[0]
         print(_table(rows))

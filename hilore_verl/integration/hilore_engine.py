@@ -31,7 +31,8 @@ from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor_config import BACKEND
 from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.device_memory import available_bytes
-from hilore_verl.integration.recovery import StepFailed, StepSnapshot, reset_after_failure
+from hilore_verl.integration.recovery import (StepFailed, StepSnapshot, StepStart, every_rank_failed, fault_group,
+                                              reset_after_failure)
 from hilore_verl.planner import Controller, profile
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate
 from verl.utils import tensordict_utils as tu
@@ -74,7 +75,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._restored: dict | None = None
         self._step = 0
         self._micro_index = 0
-        self._fallback: dict | None = None  # the all-recompute plan while retrying after an OOM
+        self._retry_mode: str | None = None  # while retrying after an OOM: "keep_to_recompute" or "recompute"
+        self._fault_group = None  # gloo group on which failed ranks agree before a retry
         self._retries = 0  # out-of-memory retries in the current mini-batch
         self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
 
@@ -83,6 +85,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         super().initialize()
         self.runtime = hilore_verl.attach(
             self.module, hilore_verl.RuntimeConfig(min_bytes=self.hilore.min_bytes, seed=self.hilore.seed))
+        self._fault_group = fault_group(self.hilore.fault_timeout_s)
 
     def _static_bytes(self) -> float:
         """Parameter shards, their gradients and two fp32 Adam states per element, on this rank."""
@@ -274,6 +277,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 failed = True  # an audit is worth less than the step: skip it, train
             if failed:
                 self._recover()
+                if not every_rank_failed(self._fault_group):
+                    raise StepFailed(f"hilore-verl: out of memory in the gradient audit at step {self._step} on "
+                                     "this rank only; training stops here with this rank's state as before the step")
                 logger.warning("hilore-verl: out of memory in the gradient audit at step %d; audit skipped",
                                self._step)
         out, retries = self._train_with_retries(data, loss_function)
@@ -285,12 +291,15 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return out
 
     def _train_with_retries(self, data, loss_function):
-        """verl's train_batch; out of device memory in forward or backward: put the step back (see
-        recovery.py) and retry it with every unit recomputed (exact), planning tighter after; in the
-        optimizer step: `optimizer_step` restores and retries it. Any other fault, or the last
-        retry failing: the step is put back and the error raised. Every rank must fail at the same
-        point (a rank that fails alone leaves its peers waiting in a collective)."""
+        """verl's train_batch. Out of device memory in a forward, backward or gradient sync, on every
+        rank: put the step back (recovery.py: FSDP2 state, gradients, RNG, the runtime's seeds) and
+        retry it; the first retry runs each micro-batch's own plan with kept units recomputed (bitwise
+        the update the step would have made), later ones recompute every unit (the exact gradient).
+        In the optimizer step: `optimizer_step` restores and retries it. A fault on some ranks only,
+        any other exception, or no retry left: the step is put back and the error raised. After a
+        retry, later plans are 10% tighter."""
         self._retries = 0
+        start = StepStart(self.runtime)
         try:
             while True:
                 self._micro_index = 0
@@ -298,22 +307,41 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                     return super().train_batch(data, loss_function), self._retries
                 except torch.OutOfMemoryError as err:
                     if self._retries >= self.hilore.oom_retries:
-                        self._recover()
-                        logger.error("hilore-verl: out of memory at step %d after %d retries; parameters and "
-                                     "optimizer state are as before the step", self._step, self._retries)
+                        self._fail(start, f"out of memory at step {self._step} after {self._retries} retries")
                         raise
                     message = str(err).splitlines()[0] if str(err) else "out of memory"
                 except BaseException:
-                    self._recover()
+                    self._fail(start, None)
                     raise
                 # outside the except block: the failed attempt's graph went with its traceback
                 self._recover()
+                self._agree_or_raise(start, message)
+                start.restore()
                 self._retries += 1
-                self._fallback = self.controller.on_oom()
-                logger.warning("hilore-verl: %s at step %d; retry %d/%d with every unit recomputed, planning 10%% "
-                               "tighter from now on", message, self._step, self._retries, self.hilore.oom_retries)
+                self._retry_mode = "keep_to_recompute" if self._retries == 1 else "recompute"
+                logger.warning("hilore-verl: %s at step %d; retry %d/%d with %s, planning 10%% tighter from now on",
+                               message, self._step, self._retries, self.hilore.oom_retries,
+                               "kept units recomputed" if self._retries == 1 else "every unit recomputed")
         finally:
-            self._fallback = None
+            self._retry_mode = None
+            if self._retries:
+                self.controller.on_oom()  # tighten future plans (the retry planned as the failed attempt did)
+
+    def _fail(self, start: StepStart, message: str | None) -> None:
+        """A loud end to the step: everything as before it, then the caller raises."""
+        self._recover()
+        start.restore()
+        if message is not None:
+            logger.error("hilore-verl: %s; parameters, optimizer state and RNG are as before the step", message)
+
+    def _agree_or_raise(self, start: StepStart, what: str) -> None:
+        """Retry only when every rank failed here; a rank that failed alone stops the job."""
+        if not every_rank_failed(self._fault_group):
+            start.restore()
+            raise StepFailed(f"hilore-verl: {what} at step {self._step} on this rank only (the other ranks did "
+                             f"not fail within hilore.fault_timeout_s={self.hilore.fault_timeout_s} s); a retry "
+                             "would pair its collectives with theirs, so training stops here with this rank's "
+                             "state as before the step")
 
     def _recover(self) -> None:
         """Forget a failed forward / backward: runtime ready, FSDP2 state reset, no gradient left."""
@@ -330,6 +358,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 self._snapshot = StepSnapshot(self.module, self.optimizer)
             snapshot = self._snapshot.take()
         while True:
+            retry = False
             try:
                 return super().optimizer_step()
             except torch.OutOfMemoryError:
@@ -340,6 +369,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                 snapshot.restore()
                 if self._retries >= self.hilore.oom_retries:
                     raise
+                retry = True
             except BaseException as err:
                 if snapshot is None:
                     raise StepFailed(f"hilore-verl: the optimizer step failed ({type(err).__name__}) and may have "
@@ -347,10 +377,14 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                      "be undone: resume from the last checkpoint") from err
                 snapshot.restore()
                 raise
-            self._retries += 1
-            get_torch_device().empty_cache()
-            logger.warning("hilore-verl: out of memory in the optimizer step at step %d; state restored, retry %d/%d",
-                           self._step, self._retries, self.hilore.oom_retries)
+            if retry:  # outside the except block
+                get_torch_device().empty_cache()
+                if not every_rank_failed(self._fault_group):
+                    raise StepFailed(f"hilore-verl: out of memory in the optimizer step at step {self._step} on this "
+                                     "rank only; training stops here with this rank's state as before the step")
+                self._retries += 1
+                logger.warning("hilore-verl: out of memory in the optimizer step at step %d; state restored, "
+                               "retry %d/%d", self._step, self._retries, self.hilore.oom_retries)
 
     def _audit(self, micro_batches):
         """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes).
@@ -378,10 +412,15 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if forward_only or self.controller is None:
             return super().forward_step(micro_batch, loss_function, forward_only)
         index, self._micro_index = self._micro_index, self._micro_index + 1
-        if self._fallback is None:
-            self.controller.plan_micro_batch(index)
+        if self._retry_mode == "recompute":
+            self.runtime.set_plan({u.name: "recompute" for u in self.runtime.units})
+        else:
+            plan = self.controller.plan_micro_batch(index)
+            if self._retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
+                self.runtime.set_plan(self.controller.runtime_plan(
+                    {u: "recompute" if m == "keep" else m for u, m in plan.items()}))
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
-        if self.actor_config is not None and self._fallback is None:
+        if self.actor_config is not None and self._retry_mode is None:
             log_prob = no_padding_2_padding(output["model_output"]["log_probs"], micro_batch)
             self.controller.after_forward(index, self._exposure_l2(micro_batch, log_prob.detach()))
         return loss, output

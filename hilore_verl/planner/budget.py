@@ -15,7 +15,7 @@ class BudgetConfig:
     """gc_ratio: value x the peak of full recompute (the GC baseline); gib: value GiB; auto: free
     device memory at start-up less `value` GiB of headroom."""
     value: float = 1.10
-    """A finite number (int or float, not bool): > 0 for gc_ratio and gib, >= 0 for auto."""
+    """A finite number (int or float, not bool): >= 1 for gc_ratio, > 0 for gib, >= 0 for auto."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -23,9 +23,15 @@ class BudgetConfig:
                              "(e.g. {mode: gc_ratio, value: 1.10} or {mode: gib, value: 40})")
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
             raise ValueError(f"budget value must be a number, got {self.value!r}; e.g. gc_ratio 1.10, gib 40, auto 2")
-        if (isinstance(self.value, float) and not math.isfinite(self.value)) or self.value < 0 \
-                or (self.mode != "auto" and self.value == 0):
+        try:
+            finite = math.isfinite(float(self.value))
+        except OverflowError:  # an int no float can hold
+            finite = False
+        if not finite or self.value < 0 or (self.mode != "auto" and self.value == 0):
             raise ValueError(f"budget value must be > 0 (>= 0 for auto's headroom) and finite, got {self.value}")
+        if self.mode == "gc_ratio" and self.value < 1:
+            raise ValueError(f"budget value {self.value} is a gc_ratio below 1: below what full recompute needs "
+                             "(GC's own peak); use 1.0 or more")
 
     def resolve(self, gc_peak_bytes: float, free_bytes: float | None = None) -> float:
         """The budget in bytes, given the full-recompute peak (and free device memory for auto)."""

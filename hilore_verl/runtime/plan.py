@@ -45,11 +45,11 @@ class UnitPlan:
         for key in ("offload", "stochastic"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"UnitPlan.{key}: got {getattr(self, key)!r}; valid: True or False")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size {self.group_size} is not supported; valid: {GROUP_SIZES}")
         if self.mode == Mode.COMPRESS:
             if self.fmt not in FORMATS:
                 raise ValueError(f"unknown compression format {self.fmt!r}; valid formats: {', '.join(FORMATS)}")
-            if self.group_size not in GROUP_SIZES:
-                raise ValueError(f"group_size {self.group_size} is not supported; valid: {GROUP_SIZES}")
         elif self.fmt is not None or self.offload or self.stochastic:
             raise ValueError(f"fmt, offload and stochastic apply to compressed units only, not to {self.mode.value!r}")
 

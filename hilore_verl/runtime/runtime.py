@@ -131,6 +131,16 @@ class Runtime:
             raise ValueError(f"unknown unit {name!r}; valid: {', '.join(u.name for u in self.units)}")
         return self._plans[unit.index]
 
+    @property
+    def forwards(self) -> int:
+        """Grad-enabled forwards so far; part of every stochastic-rounding seed. An exact retry of a
+        step sets it back to its value at the start of the step (same seeds, same rounding)."""
+        return self._forwards
+
+    @forwards.setter
+    def forwards(self, value: int) -> None:
+        self._forwards = int(value)
+
     def stats(self) -> RuntimeStats:
         """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored."""
         return self._last
