@@ -214,7 +214,7 @@ def _output_path(value: str) -> str:
     """A file written at the end of the run, checked now so that a bad path fails before the work, not after
     it: not a folder, and its nearest existing folder writable (`main` creates the missing ones)."""
     path = os.path.abspath(os.path.expanduser(value))
-    if os.path.isdir(path):
+    if value.endswith(("/", os.sep)) or os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{value!r} is a folder; give a file path")
     existing = os.path.dirname(path)
     while not os.path.exists(existing):

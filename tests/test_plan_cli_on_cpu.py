@@ -97,7 +97,9 @@ def test_json_under_a_file_or_onto_a_folder_fails_at_parse_time(command, tmp_pat
     monkeypatch.setattr(cli, "_plan", _no_work)
     monkeypatch.setattr(cli, "_demo", _no_work)
     (tmp_path / "a_file").write_text("")
-    for path, message in ((tmp_path / "a_file" / "out.json", "is not a folder"), (tmp_path, "is a folder")):
+    cases = ((tmp_path / "a_file" / "out.json", "is not a folder"), (tmp_path, "is a folder"),
+             (f"{tmp_path}/missing/", "is a folder"))  # a trailing separator names a folder, even a missing one
+    for path, message in cases:
         with pytest.raises(SystemExit) as exit_:
             cli.main([*command, "--json", str(path)])
         err = capsys.readouterr().err

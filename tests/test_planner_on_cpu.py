@@ -360,7 +360,12 @@ def _edit(text, change):
     ("units", "not this model's"),
     ("risk unit", "'lm_head' is not a unit of the cost table"),
     ("format", "state.costs.formats"),
-    ("factor", r"state.memory_factor: expected a finite number in \(0, 1\]"),
+    ("factor", r"state.memory_factor: expected a finite number in \[0.01, 1\]"),
+    ("tiny factor", r"state.memory_factor: expected a finite number in \[0.01, 1\]"),
+    ("big int", r"state.costs.units\[0\].saved_bytes: expected a finite number >= 0"),
+    ("big float", r"state.costs.unmanaged_bytes: expected a finite number >= 0"),
+    ("repeated format", "listed twice"),
+    ("uncounted", "a sensitivity without a calibration count"),
 ])
 def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, match):
     from hilore_verl.planner.state import dump_state, load_state
@@ -386,6 +391,12 @@ def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, mat
         "risk unit": lambda: _edit(text, lambda s: s["risk"]["sensitivity"].update(lm_head=1.0)),
         "format": lambda: _edit(text, lambda s: s["costs"].update(formats=["int3"])),
         "factor": lambda: _edit(text, lambda s: s.update(memory_factor=2.0)),
+        "tiny factor": lambda: _edit(text, lambda s: s.update(memory_factor=5e-324)),
+        "big int": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(saved_bytes=10**400)),
+        "big float": lambda: _edit(text, lambda s: s["costs"].update(unmanaged_bytes=1e308)),
+        "repeated format": lambda: _edit(text, lambda s: s["costs"].update(formats=["int8", "int8"])),
+        "uncounted": lambda: _edit(text, lambda s: [s["risk"][k].pop(sorted(s["risk"]["sensitivity"])[0])
+                                                    for k in ("count", "log_sum")]),
     }[case]()
     with pytest.raises(ValueError, match=match):
         load_state(bad, names)

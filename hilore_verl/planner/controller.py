@@ -34,6 +34,9 @@ from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
+HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
+
+
 @dataclass
 class PlanRecord:
     plan: dict[str, str]
@@ -133,6 +136,8 @@ class Controller:
         self.runtime.set_plan(unit_plans)
         predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
         self.history.append(PlanRecord(plan, self.predicted_peak(plan, tokens), predicted_risk, allowance, solve_ms))
+        if len(self.history) > HISTORY_KEPT:  # a long run plans millions of micro-batches
+            del self.history[:-HISTORY_KEPT // 4]
         return plan
 
     def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0) -> dict[str, str]:

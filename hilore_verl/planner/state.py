@@ -59,7 +59,7 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     if state["risk"] is not None:
         _check_risk(state["risk"], names)
     _number("state.risk_budget", state["risk_budget"], lambda v: v >= 0, ">= 0")
-    _number("state.memory_factor", state["memory_factor"], lambda v: 0 < v <= 1, "in (0, 1]")
+    _number("state.memory_factor", state["memory_factor"], lambda v: 0.01 <= v <= 1, "in [0.01, 1]")
     if state["audit_budget"] is not None:
         _number("state.audit_budget", state["audit_budget"], lambda v: v > 0, "> 0 (or null)")
     return state
@@ -74,10 +74,16 @@ def _keys(where: str, value, expected: set) -> None:
         raise ValueError(f"{where or 'the file'}: " + "; ".join(problems))
 
 
+MAX_MAGNITUDE = 1e18  # above any byte count, time or sensitivity a real state holds; sums of them stay finite
+
+
 def _number(where: str, value, ok=lambda v: True, valid: str = "", integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
-    non_finite = isinstance(value, float) and not math.isfinite(value)
-    if isinstance(value, bool) or not isinstance(value, kinds) or non_finite or not ok(value):
+    try:
+        plausible = math.isfinite(float(value)) and abs(float(value)) <= MAX_MAGNITUDE
+    except (OverflowError, TypeError, ValueError):  # an int no float holds, or not a number at all
+        plausible = False
+    if isinstance(value, bool) or not isinstance(value, kinds) or not plausible or not ok(value):
         raise ValueError(f"{where}: expected {'an integer' if integer else 'a finite number'} {valid}, got {value!r}")
 
 
@@ -113,6 +119,8 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
     formats = costs["formats"]
     if not isinstance(formats, list) or any(not isinstance(f, str) or f not in FORMATS for f in formats):
         raise ValueError(f"state.costs.formats: expected a list of {', '.join(FORMATS)}, got {formats!r}")
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"state.costs.formats: a format is listed twice in {formats!r}")
     if not isinstance(costs["offload"], bool):
         raise ValueError(f"state.costs.offload: expected true or false, got {costs['offload']!r}")
 
@@ -132,6 +140,8 @@ def _check_risk(risk, names: list[str]) -> None:
             _number(f"state.risk.{key}[{unit!r}]", value, ok, valid, integer=integer)
     if set(risk["log_sum"]) != set(risk["count"]):
         raise ValueError("state.risk: log_sum and count name different units")
+    if not set(risk["sensitivity"]) <= set(risk["count"]):
+        raise ValueError("state.risk: a sensitivity without a calibration count")
     if risk["grad_scale"] is not None:
         _number("state.risk.grad_scale", risk["grad_scale"], lambda v: v > 0, "> 0 (or null)")
 
