@@ -223,14 +223,19 @@ def test_the_audit_samples_micro_batches_with_exposure(tiny):
     assert ctl.audit_micro_batch(2) is None  # nothing exposed: no audit this step
 
 
-def test_an_audit_of_a_zero_gradient_changes_nothing(tiny):
+def _audited_controller(tiny):
+    """A controller with flat sensitivities, GPU-like costs and an audit every step; and the probe's tokens."""
     from hilore_verl.risk import GradientAudit
 
     _, rt, _, tokens, costs = tiny
     costs = _gpu_like(costs)
     risk = _flat_risk(costs.units)
-    ctl = Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
-                     audit=GradientAudit(risk, risk_budget=0.05, every=1))
+    return Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
+                      audit=GradientAudit(risk, risk_budget=0.05, every=1)), tokens
+
+
+def test_an_audit_of_a_zero_gradient_changes_nothing(tiny):
+    ctl, tokens = _audited_controller(tiny)
     ctl.audit.risk_budget = ctl.risk_budget = 0.02
     ctl.begin_mini_batch([0.0], [tokens])
     ctl.plan_micro_batch(0)
@@ -288,13 +293,7 @@ def test_analytic_costs_from_the_config_match_the_profile(tiny):
 
 
 def test_an_audit_anomaly_tightens_the_next_plans(tiny):
-    from hilore_verl.risk import GradientAudit
-
-    _, rt, _, tokens, costs = tiny
-    costs = _gpu_like(costs)
-    risk = _flat_risk(costs.units)
-    ctl = Controller(rt, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.05,
-                     audit=GradientAudit(risk, risk_budget=0.05, every=1))
+    ctl, tokens = _audited_controller(tiny)
     ctl.begin_mini_batch([1.0], [tokens])
     plan = ctl.plan_micro_batch(0)
     lossy = [u for u, c in plan.items() if c not in ("keep", "recompute")]
