@@ -14,7 +14,6 @@ and forward time F_u (at the probe's token count, times tokens / probe tokens):
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -23,6 +22,7 @@ import torch
 from hilore_verl.kernels import quantize
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime import Runtime
+from hilore_verl.timing import DeviceClock
 
 FORMATS = ("int8", "fp8", "int4")
 
@@ -78,25 +78,27 @@ class CostTable:
         return max((u.saved_bytes for u in self.units), default=0.0) * self.scale(tokens)
 
 
-def _unit_times(runtime: Runtime, run: Callable[[], None]) -> dict[str, float]:
-    """Forward time per unit: each unit-module call timed, minus its child unit-module calls."""
+def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> dict[str, float]:
+    """Forward time per unit: each unit-module call timed on the device, minus its child unit-module
+    calls. Marks are read after the run (CUDA events), so timing adds no synchronization per call there."""
     stack: list[list] = []
-    totals = {u.name: 0.0 for u in runtime.units}
+    calls: list[list] = []  # [unit name, start mark, end mark, child calls]
     handles = []
-    unit_of = runtime._module_unit
+    unit_of = runtime.unit_modules
 
     def pre(module, args):
-        if torch.is_grad_enabled() and runtime._replay is None:
-            stack.append([module, time.perf_counter(), 0.0])
+        if torch.is_grad_enabled() and not runtime.recomputing:
+            call = [unit_of[module].name, clock.mark(), None, []]
+            if stack:
+                stack[-1][1][3].append(call)
+            stack.append((module, call))
 
     def post(module, args, output):
         if not stack or stack[-1][0] is not module:
             return
-        _, start, children = stack.pop()
-        elapsed = time.perf_counter() - start
-        totals[unit_of[module].name] += elapsed - children
-        if stack:
-            stack[-1][2] += elapsed
+        _, call = stack.pop()
+        call[2] = clock.mark()
+        calls.append(call)
 
     for module in unit_of:
         handles.append(module.register_forward_pre_hook(pre))
@@ -106,15 +108,15 @@ def _unit_times(runtime: Runtime, run: Callable[[], None]) -> dict[str, float]:
     finally:
         for h in handles:
             h.remove()
+    totals = {u.name: 0.0 for u in runtime.units}
+    for name, start, end, children in calls:
+        elapsed = clock.seconds(start, end)
+        totals[name] += elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
     return totals
 
 
-def _throughput(fn: Callable[[], None], nbytes: int, repeats: int = 3) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return nbytes * repeats / max(time.perf_counter() - start, 1e-9)
+def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats: int = 3) -> float:
+    return nbytes / max(clock.time(fn, repeats), 1e-12)
 
 
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2, **kwargs) -> CostTable:
@@ -123,12 +125,14 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     Probes: all kept (saved bytes, forward times); all int8 (the compressible share); then each
     unit kind recomputed in every layer with the rest kept (what a recomputed unit still holds)."""
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
+    device = next(runtime.model.parameters()).device
+    clock = DeviceClock(device)
     kinds: dict[str, list[str]] = {}
     for u in runtime.units:
         kinds.setdefault(u.name.split(".", 2)[-1] if u.layer_index is not None else u.name, []).append(u.name)
     try:
         runtime.set_plan({})
-        times = _unit_times(runtime, run)
+        times = _unit_times(runtime, run, clock)
         keep = runtime.stats()
         runtime.set_plan({u.name: "int8" for u in runtime.units})
         run()
@@ -147,9 +151,10 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         saved, stored8 = keep.units[u.name].saved_bytes, int8.units[u.name].stored_bytes
         compressible = min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0
         units.append(UnitProfile(u.name, saved, held[u.name], times[u.name], compressible))
-    device = next(runtime.model.parameters()).device
-    sample = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
-    codec = _throughput(lambda: quantize(sample, "int8", 64).dequantize(), 2 * sample.numel() * 2)
-    host = _throughput(lambda: sample.to("cpu", copy=True), sample.numel() * 2)
+    # the codec on the activations' dtype and device (element_size 4: fp32, else bf16)
+    sample = torch.randn(1024, 1024, device=device, dtype=torch.float32 if element_size == 4 else torch.bfloat16)
+    nbytes = sample.numel() * sample.element_size()
+    codec = _throughput(clock, lambda: quantize(sample, "int8", 64).dequantize(), 2 * nbytes)
+    host = _throughput(clock, lambda: sample.to("cpu", copy=True), nbytes)
     # unmanaged state (residual stream, masks, small tensors) is kept whatever the plan
     return CostTable(units, tokens, keep.unmanaged_bytes, element_size, codec, host, **kwargs)

@@ -132,6 +132,16 @@ class Runtime:
         return self._plans[unit.index]
 
     @property
+    def unit_modules(self) -> dict[nn.Module, RecoveryUnit]:
+        """Every module that belongs to a unit, and its unit (for profiling hooks)."""
+        return dict(self._module_unit)
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether a unit is being re-run in backward right now (its forward calls are not the step's)."""
+        return self._replay is not None
+
+    @property
     def forwards(self) -> int:
         """Grad-enabled forwards so far; part of every stochastic-rounding seed. An exact retry of a
         step sets it back to its value at the start of the step (same seeds, same rounding)."""
