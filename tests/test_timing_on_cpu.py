@@ -4,12 +4,9 @@ import time
 
 import torch
 
-import hilore_verl
 from hilore_verl.planner import costs
-from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.timing import DeviceClock
-from hilore_verl.workload import make_grpo_batch
-from tests.harness.models import WORKLOAD, response_log_probs
+from tests.test_planner_on_cpu import _tiny_probe
 
 
 def test_each_mark_synchronizes_the_device_it_times(monkeypatch):
@@ -34,15 +31,7 @@ def test_profiling_times_units_through_the_clock(monkeypatch):
             return super().mark()
 
     monkeypatch.setattr(costs, "DeviceClock", CountingClock)
-    model = build_tiny_model("qwen2", seed=0).train()
-    rt = hilore_verl.attach(model)
-    batch = make_grpo_batch(WORKLOAD, seed=0)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        response_log_probs(model, batch).sum().backward()
-
-    table = costs.profile(rt, run, batch["attention_mask"].numel(), element_size=4)
+    _, rt, _, _, table = _tiny_probe()  # profiles with the clock patched in
     calls = sum(1 for _ in rt.unit_modules)  # at least one start and one end mark per unit module
     assert len(marks) >= 2 * calls and all(d == torch.device("cpu") for d in marks)
     assert all(u.forward_s >= 0 for u in table.units) and sum(u.forward_s for u in table.units) > 0
