@@ -129,3 +129,11 @@ def test_cli_output_folders_are_created_before_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_bench", lambda args: seen.append([p.parent.is_dir() for p in outputs]) or 0)
     argv = ["bench", "--json", str(outputs[0]), "--plot", str(outputs[1]), "--append", str(outputs[2])]
     assert cli.main(argv) == 0 and seen == [[True, True, True]]
+
+
+def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():
+    report = run_bench(SMALL, methods=("no_gc", "gc", "runtime_keep", "runtime_recompute"), sweep=False, peaks=False)
+    m, s = report["methods"], report["summary"]
+    for name in ("runtime_keep", "runtime_recompute"):
+        assert m[name]["status"] == "ok" and m[name]["grad_rel_error"] == 0.0, m[name]  # keep / recompute: exact
+    assert s["runtime_keep_vs_no_gc"] > 0 and s["runtime_recompute_vs_gc"] > 0, s

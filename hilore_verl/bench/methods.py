@@ -27,8 +27,10 @@ from hilore_verl.planner import BudgetConfig, Controller, profile
 from hilore_verl.risk import RiskModel, calibrate
 
 METHODS = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
-           "hilore")
+           "hilore", "runtime_keep", "runtime_recompute")
 PLANNERS = ("keep_recompute", "hilore")
+# the runtime's own cost, no planner: every unit kept (against no_gc), every unit recomputed (against gc)
+RUNTIME_ONLY = {"runtime_keep": "keep", "runtime_recompute": "recompute"}
 
 
 class Unavailable(Exception):
@@ -129,6 +131,9 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_verl_activation_offload(model)
+    elif name in RUNTIME_ONLY:
+        method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
+        method.runtime.set_plan(hilore_verl.Plan(default=RUNTIME_ONLY[name]))
     elif name in PLANNERS:
         _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0, costs)
     return method
