@@ -91,12 +91,12 @@ class VersionWatch:
     base does, and the counter's last value is read when the base is freed. A change made through a
     view that outlives its base is not seen."""
 
-    __slots__ = ("version", "box", "ref", "description")
+    __slots__ = ("version", "box", "ref", "dtype", "shape")
 
     def __init__(self, t: torch.Tensor):
         base = t._base if t._base is not None else t
         self.version = t._version
-        self.description = f"{t.dtype} {list(t.shape)}"
+        self.dtype, self.shape = t.dtype, t.shape  # formatted only for an error (pack is a hot path)
         box = [base.detach(), None]  # [alias while the base lives, the counter's value when it died]
 
         def freed(_ref, box=box):
@@ -109,7 +109,7 @@ class VersionWatch:
         alias, final = self.box
         current = alias._version if alias is not None else final
         if current != self.version:
-            raise version_error(None, self.description, current, self.version)
+            raise version_error(None, f"{self.dtype} {list(self.shape)}", current, self.version)
 
 
 class Checked:
