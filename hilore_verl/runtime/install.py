@@ -32,6 +32,12 @@ class Installed:
             self.forward_attrs.append((module, module.__dict__.get("forward")))
             module.forward = wrap(module, module.forward)
 
+    def hook_blocks(self, blocks: Iterable[nn.Module], pre: Callable, post: Callable) -> None:
+        """Pre / post hooks on decoder blocks, where a region that recomputes a whole block starts and ends."""
+        for block in blocks:
+            self.handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(block.register_forward_hook(post, with_kwargs=True, always_call=True))
+
     def take_over_gradient_checkpointing(self, blocks: Iterable[nn.Module]) -> None:
         """HF checkpointing would hide a managed layer's saved tensors from the runtime: switch it off there."""
         layers = [b for b in {id(b): b for b in blocks if getattr(b, "gradient_checkpointing", False)}.values()]

@@ -1,10 +1,12 @@
-"""Re-running a recorded unit call in backward: selective recompute with replayed child outputs.
+"""Re-running a region in backward: one decoder block (or one unit call) from its held inputs.
 
-The call runs again from its held inputs, under the RNG and autocast state it first ran with.
-Child unit-module calls whose outputs were held (their unit is not recomputed) are not run again:
-their wrapper returns the held output. What the call's own code saves is captured by order; the
-inputs of its child calls and its outputs are captured by position. Only what a pending handle
-still needs is kept.
+The region's root runs again under the RNG and autocast state it first ran with, as
+non-reentrant checkpoint re-runs a layer. Its unit-module calls happen in the order they did in
+forward; the k-th is matched to the k-th recorded call, and a call that is not re-run (its units
+keep or compress) returns its held output instead of running. Per call, what its own code saves
+is captured by order, the inputs of its child calls and its outputs by position, and only what a
+pending handle still needs is kept, and the re-run stops as soon as it has all of that (the rest
+of the block, e.g. its last projection, does not run), as checkpoint's early stop does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from hilore_verl.runtime.records import CallRecord, map_tree, tensor_leaves
+from hilore_verl.runtime.records import Region, map_tree, tensor_leaves
 
 CACHE_KWARGS = ("past_key_values", "past_key_value")
 
@@ -28,44 +30,104 @@ class HeldInput:
     requires_grad: bool
 
 
-class Replay:
-    """State of one recompute: the call being re-run and what it captures."""
+class _Frame:
+    __slots__ = ("order", "held", "own", "children")
 
-    def __init__(self, target: CallRecord):
-        self.target = target
-        self.frames: list[tuple[Any, Any]] = []  # (module or function, held output to replay or None)
-        self.own: dict[int, torch.Tensor] = {}
-        self.own_count = 0
-        self.child_count = 0
-        self.child_inputs: dict[tuple, torch.Tensor] = {}
+    def __init__(self, order: int, held: Any):
+        self.order, self.held, self.own, self.children = order, held, 0, 0
+
+
+class Replay:
+    """State of one region's re-run: which recorded call runs now and what it captures."""
+
+    def __init__(self, region: Region):
+        self.region = region
+        self.cursor = 0
+        self.frames: list[_Frame] = []
+        self.top = _Frame(-1, None)  # the block's own code: the parent of its outermost calls
+        self.wanted = {k: record.pending for k, record in region.live() if record.pending}
+        self.regen: dict[int, dict] = {k: {} for k in self.wanted}
+        self.missing = sum(len(w) for w in self.wanted.values())
+        self.done = False
+
+    def _capture(self, order: int, locator: tuple, t: torch.Tensor) -> None:
+        regen = self.regen[order]
+        if locator not in regen:
+            self.missing -= 1
+        regen[locator] = t
+
+    def _stop_if_done(self) -> None:
+        if self.missing <= 0:
+            self.done = True
+            raise _Done
+
+    def _diverged(self, module) -> RuntimeError:
+        name = type(self.region.root).__name__ if isinstance(self.region.root, nn.Module) else "a function"
+        return RuntimeError(f"hilore-verl: recomputing {name} in backward diverged from its forward at unit call "
+                            f"{self.cursor} ({type(module).__name__}): the forward must make the same module calls "
+                            "when run again with the same inputs and RNG state")
 
     def pre(self, module, args, kwargs) -> None:
-        held = None
-        if len(self.frames) == 1 and self.frames[0][0] is self.target.module:  # a direct child call
-            j = self.child_count
-            self.child_count += 1
-            for path, t in tensor_leaves((args, kwargs)):
-                self.child_inputs[("child_in", j, path)] = t.detach()
-            held = self.target.children[j]
-        self.frames.append((module, held))
+        k, region = self.cursor, self.region
+        if k >= len(region.modules) or region.modules[k] is not module:
+            raise self._diverged(module)
+        held = region.replays[k]
+        self.cursor = k + (region.subtree[k] if held is not None else 1)  # a replayed call's children do not run
+        parent = self.frames[-1] if self.frames else self.top
+        if parent.held is None:
+            j, parent.children = parent.children, parent.children + 1
+            wanted = self.wanted.get(parent.order)
+            if wanted is not None:
+                for path, t in tensor_leaves((args, kwargs)):
+                    if ("child_in", j, path) in wanted:
+                        self._capture(parent.order, ("child_in", j, path), t.detach())
+        self.frames.append(_Frame(k, held))
+        self._stop_if_done()
 
-    def post(self) -> None:
-        self.frames.pop()
+    def post(self, output) -> None:
+        if self.done:  # the re-run is stopping: post hooks run as _Done unwinds
+            if self.frames:
+                self.frames.pop()
+            return
+        frame = self.frames.pop()
+        wanted = self.wanted.get(frame.order)
+        if wanted is not None and frame.held is None:
+            for path, t in tensor_leaves(output):
+                if ("out", path) in wanted:
+                    self._capture(frame.order, ("out", path), t.detach())
+            self._stop_if_done()
 
     def pack(self, t: torch.Tensor) -> "_NotForBackward":
         """Capture a save of the re-run. The re-run's own graph is never differentiated (its outputs
         are detached), so its nodes get a placeholder: holding `t` there would tie an output to its
         own grad_fn through C++ (a cycle Python's collector cannot see) and leak every re-run."""
-        if len(self.frames) == 1:  # the target's own code: the n-th save, as in forward
-            self.own[self.own_count] = t.detach() if t.requires_grad else t
-            self.own_count += 1
+        frame = self.frames[-1] if self.frames else None
+        if frame is not None and frame.held is None:  # a call's own code: its n-th save, as in forward
+            n, frame.own = frame.own, frame.own + 1
+            wanted = self.wanted.get(frame.order)
+            if wanted is not None and ("own", n) in wanted:
+                self._capture(frame.order, ("own", n), t.detach() if t.requires_grad else t)
+                self._stop_if_done()
         return _NOT_FOR_BACKWARD
 
     def replayed_output(self, module) -> Any:
         """The held output to return instead of running `module`, or None to run it."""
-        if self.frames and self.frames[-1][0] is module and self.frames[-1][1] is not None:
-            return materialize(self.frames[-1][1])
+        if self.frames and self.frames[-1].held is not None and self.region.modules[self.frames[-1].order] is module:
+            return materialize(self.frames[-1].held)
         return None
+
+    def finish(self, stopped: bool) -> None:
+        """Hand each pending record what it needs; a call the re-run did not make is an error."""
+        if not stopped and (self.missing > 0 or self.cursor != len(self.region.modules)):
+            module = self.region.modules[self.cursor] if self.cursor < len(self.region.modules) else self.region.root
+            raise self._diverged(module)
+        for k, record in self.region.live():
+            if k in self.regen:
+                record.regen = self.regen[k]
+
+
+class _Done(Exception):
+    """Raised inside the re-run once every tensor it is needed for has been captured."""
 
 
 class _NotForBackward:
@@ -80,31 +142,34 @@ class _NotForBackward:
 _NOT_FOR_BACKWARD = _NotForBackward()
 
 
-def rerun(record: CallRecord, replay: Replay, pack: Callable, unpack: Callable) -> dict:
-    """Run `record`'s call again; returns locator -> regenerated tensor for the pending handles."""
-    args, kwargs = materialize(record.inputs)
+def rerun(region: Region, replay: Replay, pack: Callable, unpack: Callable) -> None:
+    """Run the region's root again; each pending record of the region gets its regenerated tensors."""
+    args, kwargs = materialize(region.inputs)
     for key in CACHE_KWARGS:  # recompute must never touch an inference cache
         if kwargs.get(key) is not None:
             kwargs[key] = None
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
+    stopped = False
     with ExitStack() as stack:
-        devices = [d for d in record.rng if d != "cpu"]
+        devices = [d for d in region.rng if d != "cpu"]
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"))
-        torch.set_rng_state(record.rng["cpu"])
+        torch.set_rng_state(region.rng["cpu"])
         for d in devices:
-            torch.cuda.set_rng_state(record.rng[d], d)
-        for device_type, enabled, dtype in record.autocast:
+            torch.cuda.set_rng_state(region.rng[d], d)
+        for device_type, enabled, dtype in region.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         stack.enter_context(torch.enable_grad())
-        if not isinstance(record.module, nn.Module):  # a function run through Runtime.call: no module hooks
-            replay.frames.append((record.module, None))
-        output = record.module(*args, **kwargs)
-    regen: dict[tuple, torch.Tensor] = {("own", n): t for n, t in replay.own.items()}
-    regen.update({("out", path): t.detach() for path, t in tensor_leaves(output)})
-    regen.update(replay.child_inputs)
-    return {loc: t for loc, t in regen.items() if loc in record.pending}
+        try:
+            if isinstance(region.root, nn.Module):
+                region.root(*args, **kwargs)
+            else:  # a function run through Runtime.call: no module hooks
+                replay.pre(region.root, args, kwargs)
+                replay.post(region.root(*args, **kwargs))
+        except _Done:
+            stopped = True
+    replay.finish(stopped)
 
 
 def materialize(held_tree):

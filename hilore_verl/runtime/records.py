@@ -5,7 +5,8 @@ A saved tensor is held as one of:
   - `Checked(Compressed)`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it
     waits in host memory);
   - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
-    tensor appears in that call (a locator); unpack re-runs the call once and hands out the result.
+    tensor appears in that call (a locator); unpack re-runs the call's `Region` once (a decoder
+    block, or the call itself) and hands out the result.
 Each checks on unpack that the tensor was not changed in place after it was saved, as autograd
 does for tensors saved without hooks, and raises autograd's error if it was.
 
@@ -170,22 +171,62 @@ class Compressed:
         return self.payload.dequantize().view(self.shape)
 
 
-class CallRecord:
-    """One forward call of a unit's module: enough to run it again in backward and to find its tensors."""
+class Region:
+    """A call re-run as a whole in backward: a decoder block whose top-level units all recompute
+    (as non-reentrant checkpoint re-runs a layer), or one recompute unit's call elsewhere.
 
-    __slots__ = ("module", "unit", "children", "inputs", "rng", "autocast", "own_count", "regen", "pending",
-                 "handles")
+    It holds the call's inputs, RNG and autocast state, and, per unit-module call inside it in
+    forward order (pre-order), the module, the size of its subtree of calls and, for a call that
+    is not re-run (its units keep or compress), the output to hand out instead. Records are held
+    weakly: a record dies with the last handle that needs it, and a region never ties a graph to
+    itself through a cycle."""
+
+    __slots__ = ("root", "inputs", "rng", "autocast", "modules", "subtree", "replays", "records", "recompute",
+                 "top")
+
+    def __init__(self, root: Any):
+        self.root = root  # the block module, or the root record's module / function
+        self.inputs: tuple[tuple, dict] | None = None  # args / kwargs with tensors held
+        self.rng: dict | None = None
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        self.modules: list[Any] = []
+        self.subtree: list[int] = []  # calls in the subtree of call k, itself included
+        self.replays: list[Any] = []  # held output of call k when it is not re-run, else None
+        self.records: list[weakref.ref] = []
+        self.recompute: Callable[["Region"], None] | None = None  # set by the runtime
+        # a block region's own code, as the producer of what it hands its outermost calls (order -1)
+        self.top: weakref.ref | None = None
+
+    def add(self, record: "CallRecord") -> None:
+        record.region, record.order = self, len(self.modules)
+        self.modules.append(record.module)
+        self.subtree.append(1)
+        self.replays.append(None)
+        self.records.append(weakref.ref(record))
+
+    def live(self):
+        """(order, record) for every record still alive; the block's own code is order -1."""
+        top = self.top() if self.top is not None else None
+        if top is not None:
+            yield -1, top
+        for k, ref in enumerate(self.records):
+            record = ref()
+            if record is not None:
+                yield k, record
+
+
+class CallRecord:
+    """One forward call of a unit's module inside a region: where to find its tensors again."""
+
+    __slots__ = ("module", "unit", "region", "order", "child_count", "own_count", "regen", "pending", "handles",
+                 "__weakref__")
 
     def __init__(self, module: torch.nn.Module, unit: Any):
         self.module = module
         self.unit = unit
-        # per direct child unit-module call, in call order: its output held for replay inside this call's
-        # recompute, or None. Not the child's record: a child holding a handle to this call (its input
-        # was produced here) would close a reference cycle that only Python's collector frees.
-        self.children: list[Any] = []
-        self.inputs: tuple[tuple, dict] | None = None  # args / kwargs with tensors held (RECOMPUTE calls only)
-        self.rng: dict | None = None
-        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        self.region: Region | None = None
+        self.order = -1  # position in the region's calls
+        self.child_count = 0  # direct child unit-module calls so far (the j of ("child_in", j, path))
         self.own_count = 0
         self.regen: dict | None = None  # locator -> regenerated tensor, while handles are pending
         self.handles: dict = {}  # locator -> handles dropped for it in forward
@@ -196,11 +237,13 @@ class CallRecord:
         self.pending[locator] = self.pending.get(locator, 0) + 1
         return Dropped(self, locator, geometry, watch)
 
-    def take(self, locator: tuple, recompute: Callable[["CallRecord"], dict]) -> torch.Tensor:
+    def take(self, locator: tuple) -> torch.Tensor:
         if self.regen is None or locator not in self.regen:
+            region = self.region
             if locator not in self.pending:  # a further backward through a retained graph: every handle again
-                self.pending = dict(self.handles)
-            self.regen = recompute(self)
+                for _, record in region.live():
+                    record.pending = dict(record.handles)
+            region.recompute(region)  # fills `regen` of every record of the region with pending handles
         t = self.regen[locator]
         left = self.pending.get(locator, 1) - 1
         if left <= 0:  # last handle for it: let it go (a second backward would recompute again)
@@ -212,18 +255,17 @@ class CallRecord:
 
 
 class Dropped:
-    __slots__ = ("record", "locator", "geometry", "recompute", "watch")
+    __slots__ = ("record", "locator", "geometry", "watch")
 
     def __init__(self, record: CallRecord, locator: tuple, geometry: Geometry | None, watch: VersionWatch):
         self.record = record
         self.locator = locator
         self.geometry = geometry
         self.watch = watch
-        self.recompute: Callable[[CallRecord], dict] | None = None  # set by the runtime
 
     def get(self) -> torch.Tensor:
         self.watch.check()
-        return apply_geometry(self.record.take(self.locator, self.recompute), self.geometry)
+        return apply_geometry(self.record.take(self.locator), self.geometry)
 
 
 def tensor_leaves(tree: Any, path: tuple = ()):

@@ -36,8 +36,9 @@ from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
-from hilore_verl.runtime.records import (CallRecord, Checked, Compressed, Kept, LiveKeyMap, VersionWatch,
-                                         geometry_of, map_tensors, storage_id, storage_key, tensor_leaves)
+from hilore_verl.runtime.records import (CallRecord, Checked, Compressed, Dropped, Kept, LiveKeyMap, Region,
+                                         VersionWatch, geometry_of, map_tensors, storage_id, storage_key,
+                                         tensor_leaves)
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
@@ -78,6 +79,9 @@ class _Forward:
     registry: dict[int, _Entry] = field(default_factory=dict)
     compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
     stats: StepStats | None = None
+    rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
+    region: Region | None = None  # the region being recorded
+    top: CallRecord | None = None  # a block region's own code
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -100,6 +104,15 @@ class Runtime:
         self.config = config
         self._by_name = {u.name: u for u in units}
         self._module_unit: dict[nn.Module, RecoveryUnit] = {m: u for u in units for m in u.modules}
+        # unit indices whose calls run inside each unit module's call, its own included
+        self._subtree = {m: tuple({self._module_unit[d].index for d in m.modules() if d in self._module_unit})
+                         for m in self._module_unit}
+        self._blocks: dict[nn.Module, list[nn.Module]] = {}  # decoder block -> its outermost unit modules
+        for block in {id(u.block): u.block for u in units if u.block is not None}.values():
+            mods = [m for u in units if u.block is block for m in u.modules]
+            self._blocks[block] = [m for m in mods if not any(p is not m and any(d is m for d in p.modules())
+                                                              for p in mods)]
+        self._rerun_cache: tuple[list | None, dict] = (None, {})
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
@@ -130,6 +143,13 @@ class Runtime:
         if unit is None:
             raise ValueError(f"unknown unit {name!r}; valid: {', '.join(u.name for u in self.units)}")
         return self._plans[unit.index]
+
+    def whole_blocks(self, plan: Union[Plan, Mapping[str, PlanValue]]) -> int:
+        """How many decoder blocks re-run as one region under `plan` (every outermost unit call of the
+        block runs again): those hold only their inputs, as a checkpointed layer does."""
+        plans = Plan.of(plan).resolve([u.name for u in self.units])
+        rerun = self._reruns(plans)
+        return sum(bool(rerun[block]) for block in self._blocks)
 
     @property
     def unit_modules(self) -> dict[nn.Module, RecoveryUnit]:
@@ -177,6 +197,7 @@ class Runtime:
         self._installed.take_over_gradient_checkpointing(u.block for u in self.units if u.block is not None)
         self._installed.hook_root(self.model, self._root_pre, self._root_post)
         self._installed.hook_units(self._module_unit, self._unit_pre, self._unit_post, self._replaying_forward)
+        self._installed.hook_blocks(self._blocks, self._block_pre, self._block_post)
         self.attached = True
 
     @contextlib.contextmanager
@@ -217,7 +238,8 @@ class Runtime:
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self._compressions = 0
-        self._fwd = _Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units))
+        self._fwd = _Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
+                             rerun=self._reruns(self._plans))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
 
@@ -229,6 +251,40 @@ class Runtime:
         finally:
             self.reset()
 
+    def _reruns(self, plans: list[UnitPlan]) -> dict:
+        """Per unit module: whether its call runs again in backward (its unit, or a unit called inside
+        it, recomputes). Per block: whether it is one region (all its outermost unit calls run again)."""
+        cached_plans, rerun = self._rerun_cache
+        if cached_plans is not plans:
+            rerun = {m: any(plans[i].mode == Mode.RECOMPUTE for i in subtree) for m, subtree in self._subtree.items()}
+            rerun.update({block: bool(tops) and all(rerun[m] for m in tops) for block, tops in self._blocks.items()})
+            self._rerun_cache = (plans, rerun)
+        return rerun
+
+    def _open_region(self, root, args, kwargs) -> Region:
+        region = Region(root)
+        region.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self._hold(t), t.requires_grad))
+        region.rng = rng_state((args, kwargs))
+        region.autocast = autocast_state()
+        region.recompute = self._rerun
+        return region
+
+    def _block_pre(self, module, args, kwargs):
+        fwd = self._fwd
+        if fwd is not None and self._replay is None and fwd.region is None and fwd.rerun.get(module):
+            for _, t in tensor_leaves((args, kwargs)):  # the block's inputs: held, never dropped
+                if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
+                    self._register(t, None, None, None)
+            region = fwd.region = self._open_region(module, args, kwargs)
+            fwd.top = CallRecord(module, None)  # what the block's own code hands its outermost calls
+            fwd.top.region = region
+            region.top = weakref.ref(fwd.top)
+
+    def _block_post(self, module, args, kwargs, output):
+        fwd = self._fwd
+        if fwd is not None and self._replay is None and fwd.region is not None and fwd.region.root is module:
+            fwd.region = fwd.top = None
+
     def _unit_pre(self, module, args, kwargs):
         if self._replay is not None:
             self._replay.pre(module, args, kwargs)
@@ -237,7 +293,7 @@ class Runtime:
 
     def _unit_post(self, module, args, kwargs, output):
         if self._replay is not None:
-            self._replay.post()
+            self._replay.post(output)
         elif self._fwd is not None:
             self._exit(module, output)
 
@@ -246,18 +302,20 @@ class Runtime:
         fwd = self._fwd
         parent = fwd.frames[-1] if fwd.frames else None
         record = CallRecord(fn, unit)
+        producer = parent if parent is not None else fwd.top  # inside a block region, its own code
         child_index = None
-        if parent is not None:
-            child_index = len(parent.children)
-            parent.children.append(None)
+        if producer is not None:
+            child_index, producer.child_count = producer.child_count, producer.child_count + 1
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
-                self._register(t, parent.unit if parent else None, parent,
-                               ("child_in", child_index, path) if parent else None)
-        if fwd.plans[unit.index].mode == Mode.RECOMPUTE:
-            record.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self._hold(t), t.requires_grad))
-            record.rng = rng_state((args, kwargs))
-            record.autocast = autocast_state()
+                if producer is None:
+                    self._register(t, None, None, None)
+                else:  # the block's own code has no unit: its tensors go by the unit they are handed to
+                    self._register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+        if fwd.region is None and fwd.plans[unit.index].mode == Mode.RECOMPUTE:  # the call is its own region
+            fwd.region = self._open_region(fn, args, kwargs)
+        if fwd.region is not None:
+            fwd.region.add(record)
         fwd.frames.append(record)
 
     def _exit(self, fn, output) -> None:
@@ -270,10 +328,25 @@ class Runtime:
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES and not t.is_nested:
                 self._register(t, record.unit, record, ("out", path))
+        region = record.region
+        if region is None:
+            return
+        region.subtree[record.order] = len(region.modules) - record.order
+        if region.root is fn:  # a call that is its own region ends here
+            fwd.region = None
+            return
         parent = fwd.frames[-1] if fwd.frames else None
-        if (parent is not None and fwd.plans[parent.unit.index].mode == Mode.RECOMPUTE
-                and fwd.plans[record.unit.index].mode != Mode.RECOMPUTE):
-            parent.children[-1] = map_tensors(output, lambda t: HeldInput(self._hold(t), t.requires_grad))
+        if not self._runs_again(fn, record.unit) and (parent is None or self._runs_again(parent.module, parent.unit)):
+            # the re-run reaches this call: hand out its output instead of running it, unless part of
+            # the output is itself dropped (then the call runs again)
+            values = []
+            held = map_tensors(output, lambda t: values.append(self._hold(t)) or HeldInput(values[-1], t.requires_grad))
+            if not any(isinstance(v, Dropped) for v in values):
+                region.replays[record.order] = held
+
+    def _runs_again(self, fn, unit: RecoveryUnit) -> bool:
+        rerun = self._fwd.rerun.get(fn)
+        return rerun if rerun is not None else self._fwd.plans[unit.index].mode == Mode.RECOMPUTE
 
     @contextlib.contextmanager
     def tracking(self):
@@ -386,7 +459,6 @@ class Runtime:
             count(unit, key, t, stored=held.nbytes)
             return held
         handle = record.drop(locator, geometry, VersionWatch(t))
-        handle.recompute = self._recompute
         count(unit, key, t, stored=0)
         return handle
 
@@ -421,18 +493,19 @@ class Runtime:
                            saved=False)
 
     # ------------------------------------------------------------------ recompute
-    def _recompute(self, record: CallRecord) -> dict:
-        replay = Replay(record)
+    def _rerun(self, region: Region) -> None:
+        replay = Replay(region)
         outer, self._replay = self._replay, replay
         try:
             with self._unit_hooks_for_recompute():
-                return rerun(record, replay, self._pack, _unpack)
+                rerun(region, replay, self._pack, _unpack)
         finally:
             self._replay = outer
 
 
 def _unpack(x):
     return x if isinstance(x, torch.Tensor) else x.get()
+
 
 
 _ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

@@ -80,7 +80,7 @@ class StepStats:
     parameter_saves: int = 0
     seen: LiveKeyMap = field(default_factory=LiveKeyMap)
     held: LiveKeyMap = field(default_factory=LiveKeyMap)
-    saved_storages: LiveKeyMap = field(default_factory=LiveKeyMap)  # storage address -> saved by autograd
+    saved_whole: LiveKeyMap = field(default_factory=LiveKeyMap)  # storage address -> a save holds it whole
     held_items: list = field(default_factory=list)  # (key, unit index or None, stored bytes)
 
     @classmethod
@@ -93,7 +93,8 @@ class StepStats:
         if self.seen.get(key) is not None:
             return
         self.seen.put(key, t, True)
-        self.saved_storages.put((key[0],), t, True)
+        if stored == t.numel() * t.element_size():
+            self.saved_whole.put((key[0],), t, True)
         i = unit.index
         self.saved[i] += t.numel() * t.element_size()
         self.stored[i] += stored
@@ -110,7 +111,7 @@ class StepStats:
         key = storage_key(t)
         if self.seen.get(key) is None:
             self.seen.put(key, t, True)
-            self.saved_storages.put((key[0],), t, True)
+            self.saved_whole.put((key[0],), t, True)
             self.unmanaged_bytes += t.numel() * t.element_size()
 
     def add_held(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
@@ -133,8 +134,8 @@ class StepStats:
                  for i, name in enumerate(self.names)}
         unmanaged_held = 0
         for key, index, stored in self.held_items:
-            if self.saved_storages.get((key[0],)) is not None:
-                continue  # the same storage is saved by autograd: already counted there
+            if self.saved_whole.get((key[0],)) is not None or (index is not None and self.seen.get(key) is not None):
+                continue  # a save holds the same storage whole, or the same payload: already counted there
             if index is None:
                 unmanaged_held += stored
             else:

@@ -1,0 +1,109 @@
+"""Regions: a decoder block whose units all recompute re-runs once in backward, as checkpoint does."""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hilore_verl import attach
+from hilore_verl.tiny_models import build_tiny_model
+from tests.harness.models import policy_gradient_step
+
+
+def _model(family="qwen2"):
+    return build_tiny_model(family, seed=0, dtype=torch.float32).train()
+
+
+def _backward_calls(model, run, monkeypatch):
+    """Linear layers computed during backward (re-runs; a replayed call computes nothing), by module name."""
+    calls, in_backward = Counter(), [False]
+    names = {m.weight: n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linear = torch.nn.functional.linear
+
+    def counting_linear(x, weight, bias=None):
+        if in_backward[0]:
+            calls.update([names[weight]])
+        return linear(x, weight, bias)
+
+    class Mark(torch.autograd.Function):  # flips the flag when backward starts
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            in_backward[0] = True
+            return g
+
+    original = model.lm_head.forward
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", counting_linear)
+        patch.setattr(model.lm_head, "forward", lambda x: original(Mark.apply(x)))
+        result = run(model)
+    return calls, result
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_recomputed_layer_reruns_once_as_checkpoint_does(family, monkeypatch):
+    ref = _model(family)
+    loss0, grads0 = policy_gradient_step(copy.deepcopy(ref))
+    gc_model = copy.deepcopy(ref)
+    gc_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gc_calls, _ = _backward_calls(gc_model, policy_gradient_step, monkeypatch)
+    model = copy.deepcopy(ref)
+    rt = attach(model)
+    rt.set_plan({"layers": "recompute"})
+    calls, (loss, grads) = _backward_calls(model, policy_gradient_step, monkeypatch)
+    # every projection checkpoint re-runs, once, but the last one: the re-run stops before it, as
+    # nothing saved needs its output (checkpoint's early stop stops after it)
+    last = {f"model.layers.{i}.mlp.down_proj" for i in range(model.config.num_hidden_layers)}
+    assert set(calls.values()) == {1} and set(calls) == set(gc_calls) - last and last <= set(gc_calls)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
+    # what the forward leaves held: each layer's input (as checkpoint holds), the head's input and what
+    # the head keeps, and small shared tensors (rotary tables, norm statistics): less than one hidden state
+    stats = rt.stats()
+    hidden = model.config.hidden_size * 8 * 96 * 4  # batch 8 x 96 tokens, fp32
+    total = stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.stored_bytes
+    floor = (model.config.num_hidden_layers + 1) * hidden + stats.units["head"].stored_bytes
+    assert floor <= total < floor + hidden
+
+def test_kept_units_inside_a_recomputed_layer_hand_out_their_outputs(monkeypatch):
+    ref = _model()
+    loss0, grads0 = policy_gradient_step(copy.deepcopy(ref))
+    model = copy.deepcopy(ref)
+    rt = attach(model)
+    rt.set_plan({"layers": "recompute", "layers.0.mlp.proj": "keep", "layers.1.attn.proj": "keep"})
+    calls, (loss, grads) = _backward_calls(model, policy_gradient_step, monkeypatch)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
+    assert not any(k.startswith("model.layers.0.mlp.") or k.startswith("model.layers.1.self_attn.") for k in calls)
+    assert calls["model.layers.0.self_attn.q_proj"] == 1 and calls["model.layers.1.mlp.up_proj"] == 1
+
+
+def test_a_layer_with_a_kept_outer_unit_reruns_call_by_call(monkeypatch):
+    """The input norm kept: the block is not one region, each recomputed call re-runs on its own."""
+    ref = _model()
+    loss0, grads0 = policy_gradient_step(copy.deepcopy(ref))
+    model = copy.deepcopy(ref)
+    rt = attach(model)
+    rt.set_plan({"layers": "recompute", "layers.0.attn.norm": "keep"})
+    calls, (loss, grads) = _backward_calls(model, policy_gradient_step, monkeypatch)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
+    assert set(calls.values()) == {1} and "model.layers.0.self_attn.q_proj" in calls
+
+
+def test_a_rerun_that_makes_other_calls_fails_loudly():
+    model = _model()
+    rt = attach(model)
+    rt.set_plan({"layers.0": "recompute"})
+    mlp = model.model.layers[0].mlp
+    original, runs = mlp.forward, [0]
+
+    def flaky(x):  # calls its projections only on the first run
+        runs[0] += 1
+        return original(x) if runs[0] == 1 else x * 2
+
+    mlp.forward = flaky
+    with pytest.raises(RuntimeError, match="diverged from its forward"):
+        policy_gradient_step(model)
