@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence, Union
 
 import torch
 
-from hilore_verl.kernels import reference
+from hilore_verl.kernels import FORMATS, reference
 from hilore_verl.runtime.plan import Mode, UnitPlan
 
 PlanLike = Mapping[str, Union[str, UnitPlan]]
@@ -109,7 +109,7 @@ class RiskModel:
 GradFn = Callable[[PlanLike], torch.Tensor]
 
 
-def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = ("int8", "fp8", "int4"),
+def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
               group_size: int = 64, model: RiskModel | None = None) -> RiskModel:
     """Probe: compress one unit at a time (each format) and measure the gradient deviation from exact.
 

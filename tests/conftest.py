@@ -3,6 +3,11 @@ import os
 # One OpenMP thread per process: the 2-rank tests run two processes on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The fused CPU codec compiles once per row width and format; tests sweep many widths in many
+# processes, so they run the torch reference, which the fused codec equals bit for bit
+# (tests/test_cpu_fused_on_cpu.py checks that, and runs the runtime on the fused codec).
+os.environ.setdefault("HILORE_VERL_CPU_CODEC", "reference")
+
 
 def _has_cuda() -> bool:
     import torch

@@ -4,18 +4,33 @@
     y = q.dequantize()                                # x's shape and dtype
     qm = quantize_rows(x, row_fmt)                    # per-row keep / int8 / int4 in one payload
 
-Dispatch by device: Triton kernels for CUDA tensors, the torch reference (`kernels.reference`)
-for CPU tensors. The Triton kernels are tested on CPU against the reference through Triton's
-interpreter (TRITON_INTERPRET=1).
+Formats are specified once, in `kernels.formats`. Dispatch by device: Triton kernels for CUDA
+tensors; for CPU tensors the fused path (`kernels.cpu_fused`: the reference compiled by
+torch.compile), or the torch reference itself (`kernels.reference`) when the environment sets
+HILORE_VERL_CPU_CODEC=reference. All are bitwise equal to the reference; the Triton kernels are
+tested on CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from hilore_verl.kernels import reference, rows
-from hilore_verl.kernels.reference import DTYPES, FORMATS, GROUP_SIZES, QuantizedTensor
+from hilore_verl.kernels import cpu_fused, reference, rows
+from hilore_verl.kernels.formats import DTYPES, FORMATS, GROUP_SIZES, SPECS, payload_ratio
+from hilore_verl.kernels.reference import QuantizedTensor
 from hilore_verl.kernels.rows import ROW_INT4, ROW_INT8, ROW_KEEP, RowQuantized
+
+CPU_CODECS = ("fused", "reference")
+
+
+def cpu_codec() -> str:
+    """The CPU codec in use: HILORE_VERL_CPU_CODEC ("fused", the default, or "reference")."""
+    name = os.environ.get("HILORE_VERL_CPU_CODEC", "fused")
+    if name not in CPU_CODECS:
+        raise ValueError(f"HILORE_VERL_CPU_CODEC={name!r}; valid: {', '.join(CPU_CODECS)}")
+    return name
 
 
 def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochastic: bool = False,
@@ -24,7 +39,8 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
         from hilore_verl.kernels import triton_codec
 
         return triton_codec.quantize(x, fmt, group_size, stochastic, seed)
-    return reference.quantize(x, fmt, group_size, stochastic, seed)
+    codec = cpu_fused if cpu_codec() == "fused" else reference
+    return codec.quantize(x, fmt, group_size, stochastic, seed)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
@@ -32,10 +48,12 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         from hilore_verl.kernels import triton_codec
 
         return triton_codec.dequantize(q)
-    return reference.dequantize(q)
+    codec = cpu_fused if cpu_codec() == "fused" else reference
+    return codec.dequantize(q)
 
 
-__all__ = ["DTYPES", "FORMATS", "GROUP_SIZES", "QuantizedTensor", "dequantize", "quantize"]
+__all__ = ["DTYPES", "FORMATS", "GROUP_SIZES", "SPECS", "QuantizedTensor", "cpu_codec", "dequantize", "payload_ratio",
+           "quantize"]
 
 
 def quantize_rows(x: torch.Tensor, row_fmt: torch.Tensor, group_size: int = 64) -> RowQuantized:

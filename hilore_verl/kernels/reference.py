@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("int8", "fp8", "int4")
-GROUP_SIZES = (32, 64, 128)
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+from hilore_verl.kernels.formats import (DTYPES, FORMATS, GROUP_SIZES, QMAX, SPECS, _fp8_encode, fp8_decode,  # noqa: F401
+                                         round_half_even)
+
 FLT_MAX = torch.finfo(torch.float32).max
 _M32 = 0xFFFFFFFF
 
@@ -95,9 +94,13 @@ def seed_mix(seed: int) -> int:
 
 
 def uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """u in [0, 1) from a 32-bit integer hash of (seed, element index): the same numbers as the kernels.
-    int64 products may wrap; only their low 32 bits are used, and those are exact."""
-    h = ((index & _M32) * _IDX_MUL + seed_mix(seed)) & _M32
+    """u in [0, 1) from a 32-bit integer hash of (seed, element index): the same numbers as the kernels."""
+    return _uniform_mixed(seed_mix(seed), index)
+
+
+def _uniform_mixed(smix: int, index: torch.Tensor) -> torch.Tensor:
+    """int64 products may wrap; only their low 32 bits are used, and those are exact."""
+    h = ((index & _M32) * _IDX_MUL + smix) & _M32
     h = h ^ (h >> 16)
     h = (h * _MIX1) & _M32
     h = h ^ (h >> 15)
@@ -106,82 +109,42 @@ def uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
     return (h >> 8).float() * (1.0 / 16777216.0)
 
 
-def round_half_even(y: torch.Tensor) -> torch.Tensor:
-    r = torch.floor(y)
-    frac = y - r  # exact for |y| < 2**23
-    odd = (r - 2.0 * torch.floor(r * 0.5)) == 1.0
-    return torch.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
-
-
-def _round(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    return round_half_even(y) if u is None else torch.floor(y + u)
-
-
-def _fp8_encode(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    """fp32 y with |y| <= 448 (or a hair above) -> e4m3fn bits (uint8), rounding on the e4m3 grid."""
-    a = y.abs()
-    bits = a.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127  # unbiased exponent of a (a is normal or zero here)
-    normal = e >= -6
-    e = torch.where(normal, e, torch.full_like(e, -6))
-    # a / 2**e by building the power of two from bits: exact
-    inv_pow = ((127 - e) << 23).view(torch.float32)
-    m = torch.where(normal, a * inv_pow - 1.0, a * 512.0 * 0.125)  # normal: mantissa fraction; sub: a / 2**-6
-    q = _round(m * 8.0, u)  # 0..8
-    carry = q >= 8.0
-    exp_field = torch.where(normal, e + 7, torch.zeros_like(e))
-    exp_field = torch.where(carry, exp_field + 1, exp_field)
-    q = torch.where(carry, torch.zeros_like(q), q)
-    # a subnormal that rounds up to 2**-6 becomes exponent field 1, mantissa 0, which the carry gives
-    code = (exp_field << 3) | q.to(torch.int32)
-    code = torch.clamp(code, max=0x7E)  # 448: the largest finite e4m3fn
-    return (code | ((y < 0).to(torch.int32) << 7)).to(torch.uint8)
-
-
-def fp8_decode(codes: torch.Tensor) -> torch.Tensor:
-    c = codes.to(torch.int32)
-    e, q = (c >> 3) & 0xF, (c & 7).float()
-    pow2 = ((torch.clamp(e, min=1) - 7 + 127) << 23).view(torch.float32)
-    value = torch.where(e == 0, q * 0.001953125, (1.0 + q * 0.125) * pow2)  # 2**-9 * q for subnormals
-    return torch.where((c & 0x80) != 0, -value, value)
-
-
 def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochastic: bool = False,
              seed: int = 0) -> QuantizedTensor:
     """Group-wise absmax quantization of `x` (fp32 / fp16 / bf16, last dim a multiple of group_size)."""
     check_args(x, fmt, group_size)
-    D = x.shape[-1]
-    xf = x.reshape(-1, D).float()
-    R, G = xf.shape[0], D // group_size
+    codes, scales, flags = quantize_2d(x.reshape(-1, x.shape[-1]), fmt, group_size, stochastic, seed_mix(seed))
+    return QuantizedTensor(codes, scales, flags, x.shape, x.dtype, fmt, group_size)
+
+
+def quantize_2d(x: torch.Tensor, fmt: str, group_size: int, stochastic: bool, smix):
+    """(R, D) -> codes, scales (R, G) fp32, flags (R, G) uint8; `smix`: seed_mix(seed), an int or a 0-d
+    int64 tensor. Pure tensor code: the fused CPU path compiles it."""
+    xf = x.float()
+    R, D = xf.shape
+    G = D // group_size
     g = xf.view(R, G, group_size)
-    finite = torch.isfinite(g).all(dim=-1)
-    absmax = torch.where(torch.isfinite(g), g.abs(), torch.zeros_like(g)).amax(dim=-1)
+    finite_elem = torch.isfinite(g)
+    finite = finite_elem.all(dim=-1)
+    absmax = torch.where(finite_elem, g.abs(), torch.zeros_like(g)).amax(dim=-1)
     scales = absmax / QMAX[fmt]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = torch.where(finite[..., None], g / safe[..., None], torch.zeros_like(g)).view(R, D)
-    u = uniform(seed, torch.arange(R * D, dtype=torch.int64).view(R, D)) if stochastic else None
-    if fmt == "fp8":
-        codes = _fp8_encode(y, u)
-    else:
-        q = _round(y, u).clamp_(-QMAX[fmt], QMAX[fmt])
-        if fmt == "int8":
-            codes = q.to(torch.int8)
-        else:
-            nib = (q + 8.0).to(torch.uint8)
-            codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    u = _uniform_mixed(smix, torch.arange(R * D, dtype=torch.int64, device=x.device).view(R, D)) if stochastic else None
+    codes = SPECS[fmt].encode(y, u)
     scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
-    return QuantizedTensor(codes, scales, (~finite).to(torch.uint8), x.shape, x.dtype, fmt, group_size)
+    return codes, scales, (~finite).to(torch.uint8)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     """value(code) * scale in fp32, rounded half-even to the original dtype."""
-    R, G = q.scales.shape
-    if q.fmt == "fp8":
-        values = fp8_decode(q.codes)
-    elif q.fmt == "int8":
-        values = q.codes.float()
-    else:
-        values = torch.stack([q.codes & 0x0F, q.codes >> 4], dim=-1).view(R, -1).float() - 8.0
-    x = values.view(R, G, q.group_size) * q.scales[..., None]
-    x = x.clamp_(-FLT_MAX, FLT_MAX)  # an overflow past FLT_MAX saturates (scales are never inf; NaN stays NaN)
-    return x.reshape(q.shape).to(q.dtype)
+    return dequantize_2d(q.codes, q.scales, q.fmt, q.group_size, q.dtype).reshape(q.shape)
+
+
+def dequantize_2d(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    R, G = scales.shape
+    x = SPECS[fmt].decode(codes).view(R, G, group_size) * scales[..., None]
+    x = x.clamp(-FLT_MAX, FLT_MAX)  # an overflow past FLT_MAX saturates (scales are never inf; NaN stays NaN)
+    return x.view(R, G * group_size).to(dtype)
+

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from hilore_verl.kernels.reference import QMAX, QuantizedTensor, check_args, seed_mix
+from hilore_verl.kernels.formats import QMAX, SPECS
+from hilore_verl.kernels.reference import QuantizedTensor, check_args, seed_mix
 
-FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}
+FMT_CODE = {name: spec.kernel_id for name, spec in SPECS.items()}
 BLOCK_R = 32
 
 
@@ -207,8 +208,7 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     R, G = x2.shape[0], D // group_size
-    codes = torch.empty((R, D // 2) if fmt == "int4" else (R, D), device=x.device,
-                        dtype=torch.int8 if fmt == "int8" else torch.uint8)
+    codes = torch.empty(SPECS[fmt].codes_shape(R, D), device=x.device, dtype=SPECS[fmt].code_dtype)
     scales = torch.empty((R, G), device=x.device, dtype=torch.float32)
     flags = torch.empty((R, G), device=x.device, dtype=torch.uint8)
     grid = (triton.cdiv(R, BLOCK_R), G)
