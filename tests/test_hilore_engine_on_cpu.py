@@ -2,7 +2,7 @@
 
 lr = 0, so both engines see the same weights. Risk budget 0: the planner may only keep or
 recompute, so gradients must be bitwise those of stock verl. Risk budget > 0: compressed units
-appear and the gradient stays within the runtime's bounds (cosine >= 0.999).
+appear and the gradient stays within the runtime's bounds (cosine >= 0.999, 0.996 with int4).
 """
 
 import pytest
@@ -88,7 +88,9 @@ def test_hilore_engine_against_stock_verl(tmp_path, risk_budget):
         if risk_budget == 0:
             assert modes <= {"keep", "recompute"} and step["bitwise"], step
         else:
-            assert step["cos"] >= 0.999, step
+            # the runtime's stated bounds for the lossiest format in the plan (docs/design.md, Testing)
+            floor = 0.996 if "int4" in {v.split("+")[0] for v in step["plan"].values()} else 0.999
+            assert step["cos"] >= floor, step
     if risk_budget > 0:
         assert any(set(s["plan"].values()) - {"keep", "recompute"} for s in ranks[0]), ranks[0]
 

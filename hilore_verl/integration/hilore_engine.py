@@ -34,6 +34,7 @@ from hilore_verl.integration.device_memory import available_bytes
 from hilore_verl.integration.recovery import (StepFailed, StepSnapshot, StepStart, every_rank_failed, fault_group,
                                               reset_after_failure)
 from hilore_verl.planner import Controller, profile
+from hilore_verl.planner.costs import measured_values, set_measured_values
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
@@ -179,8 +180,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if not dist.is_initialized():
             return
         names = [u.name for u in costs.units]
-        values = [x for u in costs.units for x in (u.saved_bytes, u.held_bytes, u.forward_s, u.compressible)]
-        values += [costs.unmanaged_bytes, costs.codec_bytes_per_s, costs.host_bytes_per_s, float(costs.tokens)]
+        figures = measured_values(costs)
+        values = figures + [float(costs.tokens)]
         if risk is not None:
             for n in names:  # (sum of log sensitivity, how many ranks measured it)
                 measured = n in risk.sensitivity
@@ -190,9 +191,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         dist.all_reduce(t, group=self.get_data_parallel_group())
         world = self.get_data_parallel_size()
         it = iter(t.tolist())
-        for u in costs.units:
-            u.saved_bytes, u.held_bytes, u.forward_s, u.compressible = (next(it) / world for _ in range(4))
-        costs.unmanaged_bytes, costs.codec_bytes_per_s, costs.host_bytes_per_s = (next(it) / world for _ in range(3))
+        set_measured_values(costs, [next(it) / world for _ in figures])
         costs.tokens = int(round(next(it) / world))
         if risk is not None:
             risk.sensitivity.clear()

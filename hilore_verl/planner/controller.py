@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
-from hilore_verl.planner.solver import Infeasible, solve
+from hilore_verl.planner.solver import Infeasible, Option, solve
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
@@ -164,7 +164,10 @@ class Controller:
         for name, choice in plan.items():
             options = {o.name: o for o in self.costs.options(by_name[name], tokens)}
             held += options.get(choice, options["keep"]).memory  # a unit with nothing saved has no lossy option
-        return held + self.costs.unmanaged_bytes * self.costs.scale(tokens)
+        k = self.costs.scale(tokens)
+        if self.costs.region_saving_bytes and self.runtime is not None:
+            held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
+        return held + self.costs.unmanaged_bytes * k
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
         risk = None
@@ -173,8 +176,43 @@ class Controller:
         options = [self.costs.options(u, tokens, risk) for u in self.costs.units]
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
-        solution = solve(options, self.activation_budget(tokens), allowance)
-        return {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
+        budget = self.activation_budget(tokens)
+        limit = self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
+        best, failure = None, None
+        # Units priced one by one overestimate a layer re-run as one region; a second solve credits
+        # each layer's region saving to its units' recompute options, and its plan is kept only if
+        # the memory model (which knows which layers are whole regions) says it fits.
+        for credited in (False, True) if self.costs.region_saving_bytes else (False,):
+            choices, extra = self._credited(options, tokens) if credited else (options, 0.0)
+            try:
+                solution = solve(choices, budget + extra, allowance)
+            except Infeasible as err:
+                failure = failure or err
+                continue
+            plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
+            if credited and self.predicted_peak(plan, tokens) > limit:
+                continue
+            if best is None or solution.time < best[0]:
+                best = (solution.time, plan)
+        if best is None:
+            raise failure or Infeasible("no plan fits the memory budget")
+        return best[1]
+
+    def _credited(self, options: list[list[Option]], tokens: int) -> tuple[list[list[Option]], float]:
+        """Options and extra budget in which a layer whose units all recompute is credited its region
+        saving s: each of its n units' other options cost s / n more, and the budget grows by s per
+        layer (memories stay >= 0, as the solver needs). Exact for whole layers, generous for partly
+        recomputed ones, which is why its plan is checked against the memory model."""
+        per_layer: dict[str, int] = {}
+        for u in self.costs.units:
+            if u.name.startswith("layers."):
+                per_layer[u.name.split(".")[1]] = per_layer.get(u.name.split(".")[1], 0) + 1
+        saving = self.costs.region_saving_bytes * self.costs.scale(tokens)
+        out = []
+        for u, opts in zip(self.costs.units, options):
+            share = saving / per_layer[u.name.split(".")[1]] if u.name.startswith("layers.") else 0.0
+            out.append([o if o.name == "recompute" else dataclasses.replace(o, memory=o.memory + share) for o in opts])
+        return out, saving * len(per_layer)
 
     def after_forward(self, index: int, exposure_l2_exact: float) -> None:
         """Record the risk actually spent, from the exact coefficients (after the forward, before backward)."""

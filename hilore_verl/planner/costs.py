@@ -13,25 +13,17 @@ and forward time F_u (at the probe's token count, times tokens / probe tokens):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from hilore_verl.kernels import quantize
+from hilore_verl.kernels import FORMATS, payload_ratio, quantize
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime import Runtime
 from hilore_verl.timing import DeviceClock
-
-FORMATS = ("int8", "fp8", "int4")
-
-
-def payload_ratio(fmt: str, element_size: int, group_size: int = 64) -> float:
-    """Payload bytes per input byte: codes + an fp32 scale and a flag byte per group."""
-    code = 0.5 if fmt == "int4" else 1.0
-    return (code + 5 / group_size) / element_size
-
 
 @dataclass
 class UnitProfile:
@@ -53,6 +45,10 @@ class CostTable:
     formats: Sequence[str] = FORMATS
     offload: bool = False
     group_size: int = 64
+    region_saving_bytes: float = 0.0
+    """Per decoder layer re-run as one region (all its outermost units recomputed): bytes held below the
+    sum of its units' recompute figures (the residual stream inside the layer is regenerated, and the
+    inner calls hold no inputs of their own)."""
 
     def scale(self, tokens: int) -> float:
         return tokens / self.tokens
@@ -76,6 +72,25 @@ class CostTable:
     def transient(self, tokens: int) -> float:
         """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""
         return max((u.saved_bytes for u in self.units), default=0.0) * self.scale(tokens)
+
+
+def _float_fields(obj) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj) if f.type in ("float", float)]
+
+
+def measured_values(costs: CostTable) -> list[float]:
+    """Every measured number of a table in a fixed order (each unit's float fields, then the table's):
+    what ranks average so that they plan from the same numbers. A new float field is included."""
+    return [getattr(u, n) for u in costs.units for n in _float_fields(u)] + [getattr(costs, n)
+                                                                           for n in _float_fields(costs)]
+
+
+def set_measured_values(costs: CostTable, values) -> None:
+    """The inverse of `measured_values`."""
+    it = iter(values)
+    for obj in [*costs.units, costs]:
+        for n in _float_fields(obj):
+            setattr(obj, n, float(next(it)))
 
 
 def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> dict[str, float]:
@@ -122,8 +137,9 @@ def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
 
-    Probes: all kept (saved bytes, forward times); all int8 (the compressible share); then each
-    unit kind recomputed in every layer with the rest kept (what a recomputed unit still holds)."""
+    Probes: all kept (saved bytes, forward times); all int8 (the compressible share); each unit kind
+    recomputed in every layer with the rest kept (what a recomputed unit still holds); every layer
+    recomputed (what a layer re-run as one region holds)."""
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
     clock = DeviceClock(device)
@@ -143,6 +159,12 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
             run()
             stats = runtime.stats()
             held.update({n: stats.units[n].stored_bytes for n in names})
+        layers = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
+        blocks = runtime.whole_blocks(layers)
+        if blocks:
+            runtime.set_plan(layers)
+            run()
+            whole = runtime.stats()
     finally:
         runtime.set_plan(plan_before)
     r8 = payload_ratio("int8", element_size)
@@ -156,5 +178,11 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     nbytes = sample.numel() * sample.element_size()
     codec = _throughput(clock, lambda: quantize(sample, "int8", 64).dequantize(), 2 * nbytes)
     host = _throughput(clock, lambda: sample.to("cpu", copy=True), nbytes)
+    saving = 0.0
+    if blocks:  # per layer: the sum of its units' recompute figures minus what a region really held
+        summed = sum(held[n] for n in layers) + keep.unmanaged_bytes
+        measured = sum(whole.units[n].stored_bytes for n in layers) + whole.unmanaged_bytes
+        saving = max((summed - measured) / blocks, 0.0)
     # unmanaged state (residual stream, masks, small tensors) is kept whatever the plan
-    return CostTable(units, tokens, keep.unmanaged_bytes, element_size, codec, host, **kwargs)
+    return CostTable(units, tokens, keep.unmanaged_bytes, element_size, codec, host, region_saving_bytes=saving,
+                     **kwargs)
