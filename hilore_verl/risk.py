@@ -27,6 +27,7 @@ import torch
 
 from hilore_verl.kernels import FORMATS, reference
 from hilore_verl.runtime.plan import Mode, UnitPlan
+from hilore_verl.units import representatives, unit_kind
 
 PlanLike = Mapping[str, Union[str, UnitPlan]]
 
@@ -89,6 +90,11 @@ class RiskModel:
         self._count[unit] = self._count.get(unit, 0) + 1
         self.sensitivity[unit] = math.exp(self._log_sum[unit] / self._count[unit])  # geometric mean
 
+    def share(self, unit: str, measured: str) -> None:
+        """`unit` takes the calibration of `measured` (a unit of the same kind), from then on its own."""
+        self.sensitivity[unit] = self.sensitivity[measured]
+        self._log_sum[unit], self._count[unit] = self._log_sum[measured], self._count[measured]
+
     def rescale(self, units: Sequence[str], factor: float) -> None:
         """Multiply the sensitivities of `units` (what an audit does when reality disagrees)."""
         for unit in units:
@@ -110,22 +116,39 @@ GradFn = Callable[[PlanLike], torch.Tensor]
 
 
 def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
-              group_size: int = 64, model: RiskModel | None = None) -> RiskModel:
+              group_size: int = 64, model: RiskModel | None = None, base: PlanLike | None = None) -> RiskModel:
     """Probe: compress one unit at a time (each format) and measure the gradient deviation from exact.
 
     `grad_fn(plan)` runs forward + backward of one micro-batch under `plan` and returns the flat
-    gradient; `exposure_l2` is that micro-batch's. Call again on more micro-batches (passing
-    `model`) to average; sensitivities are geometric means over every probe.
+    gradient; `exposure_l2` is that micro-batch's. Every probe runs under `base` (default: all
+    kept) with one unit compressed on top: GC's plan keeps the probes within GC's memory, and
+    recompute is exact. Call again on more micro-batches (passing `model`) to average;
+    sensitivities are geometric means over every probe.
     """
     model = model or RiskModel()
-    exact = grad_fn({})
+    base = dict(base or {})
+    exact = grad_fn(base)
     scale = float(exact.norm()) / exposure_l2 if exposure_l2 > 0 else None
     if scale:
         model.grad_scale = scale if model.grad_scale is None else math.sqrt(model.grad_scale * scale)
     for unit in units:
         for fmt in fmts:
-            approx = grad_fn({unit: UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=group_size)})
+            approx = grad_fn({**base, unit: UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=group_size)})
             model.add_measurement(unit, fmt, group_size, exposure_l2, float((approx - exact).norm()))
+    return model
+
+
+def calibrate_by_kind(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
+                      group_size: int = 64, model: RiskModel | None = None) -> RiskModel:
+    """`calibrate` on one unit per kind (the middle layer's, and the head), under GC's plan; every
+    unit of a kind then shares its sensitivity (audits re-scale units one by one afterwards)."""
+    reps = representatives(list(units))
+    gc_plan = {n: "recompute" for n in units if n.startswith("layers.")}
+    model = calibrate(grad_fn, list(reps.values()), exposure_l2, fmts, group_size, model, base=gc_plan)
+    for n in units:
+        rep = reps[unit_kind(n)]
+        if rep in model.sensitivity and n != rep:
+            model.share(n, rep)
     return model
 
 

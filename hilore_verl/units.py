@@ -87,6 +87,22 @@ def _split_block(block: nn.Module, prefix: str, index: int) -> list[RecoveryUnit
     ]
 
 
+def unit_kind(name: str) -> str:
+    """Units that share shapes across decoder layers: "attn.norm" for "layers.3.attn.norm"; the head is its own."""
+    return name.split(".", 2)[-1] if name.startswith("layers.") else name
+
+
+def representatives(names: list[str]) -> dict[str, str]:
+    """One unit per kind, from the middle decoder layer (the head as itself): kind -> unit name."""
+    layers = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+    middle = f"layers.{layers[len(layers) // 2]}." if layers else None
+    out = {}
+    for n in names:
+        if not n.startswith("layers.") or n.startswith(middle):
+            out.setdefault(unit_kind(n), n)
+    return out
+
+
 def find_units(model: nn.Module) -> list[RecoveryUnit]:
     """The model's recovery units in forward order, each with a stable name."""
     layers, final_norm, lm_head = _find_decoder(model)

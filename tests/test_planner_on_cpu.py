@@ -416,3 +416,31 @@ def test_ranks_average_every_float_field_of_the_cost_table():
     assert len(values) == 2 * 4 + 4 and 3.0 in values  # a new float field is averaged without a code change
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
+
+
+def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
+    """Every probe plan (profile and calibration) recomputes every decoder layer but at most one."""
+    from hilore_verl.risk import calibrate_by_kind
+
+    model, rt, run, tokens, _ = _tiny_probe()
+    plans = []
+    set_plan = rt.set_plan
+    rt.set_plan = lambda plan: plans.append(dict(plan)) or set_plan(plan)
+    costs = profile(rt, run, tokens, element_size=4)
+    del plans[-1]  # profile's last set_plan restores the plan in force before it
+    grads = []
+
+    def grad_fn(plan):
+        rt.set_plan(plan)
+        run()
+        grads.append(1)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    risk = calibrate_by_kind(grad_fn, [u.name for u in rt.units], 1.0, fmts=("int8",))
+    for plan in plans:
+        not_recomputed = {n.split(".")[1] for n in (u.name for u in rt.units)
+                          if n.startswith("layers.") and str(plan.get(n, "keep")) != "recompute"}
+        assert len(not_recomputed) <= 1, plan
+    assert len(grads) == 1 + 7  # exact, then one probe per kind (6 per layer, and the head)
+    assert risk.sensitivity["layers.0.mlp.proj"] == risk.sensitivity["layers.1.mlp.proj"] > 0
+    assert {u.saved_bytes for u in costs.units if u.name.endswith("mlp.proj")} == {costs.units[4].saved_bytes}

@@ -35,7 +35,7 @@ from hilore_verl.integration.recovery import (StepFailed, StepSnapshot, StepStar
                                               reset_after_failure)
 from hilore_verl.planner import Controller, profile
 from hilore_verl.planner.costs import measured_values, set_measured_values
-from hilore_verl.risk import GradientAudit, RiskModel, calibrate
+from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_kind
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
 from verl.workers.engine import EngineRegistry
@@ -164,7 +164,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             exposures = [self._coefficients(mb) for mb in micro_batches]
             best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
             batch, c = micro_batches[best], exposures[best]
-            risk = calibrate(lambda plan: self._surrogate_gradient(plan, batch, c),
+            risk = calibrate_by_kind(lambda plan: self._surrogate_gradient(plan, batch, c),
                              [u.name for u in self.runtime.units], float(c.pow(2).sum().sqrt()),
                              fmts=self.hilore.formats[:1], group_size=self.hilore.group_size, model=RiskModel())
         self._average_over_ranks(costs, risk)

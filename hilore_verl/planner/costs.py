@@ -23,6 +23,7 @@ import torch
 from hilore_verl.kernels import FORMATS, payload_ratio, quantize
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime import Runtime
+from hilore_verl.units import unit_kind
 from hilore_verl.timing import DeviceClock
 
 @dataclass
@@ -137,52 +138,63 @@ def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
 
-    Probes: all kept (saved bytes, forward times); all int8 (the compressible share); each unit kind
-    recomputed in every layer with the rest kept (what a recomputed unit still holds); every layer
-    recomputed (what a layer re-run as one region holds)."""
+    Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
+    as HF checkpointing keeps it) except in one probed layer (the middle one), so a probe holds at
+    most GC's peak plus one layer's activations. The probed layer's figures stand for every layer
+    of the same unit kind (decoder layers share their shapes); forward times are every unit's own.
+
+        1. GC's plan                                what a layer recomputed as one region holds
+        2. the probed layer kept                    saved bytes per kind; every unit's forward time
+        3. the probed layer and the head int8       the compressible share per kind
+        4. per kind: recomputed in the probed layer, the rest of it kept (the head recomputed
+           in the first)                            what a recomputed unit still holds
+    """
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
     clock = DeviceClock(device)
-    kinds: dict[str, list[str]] = {}
-    for u in runtime.units:
-        kinds.setdefault(u.name.split(".", 2)[-1] if u.layer_index is not None else u.name, []).append(u.name)
+    layers = sorted({u.layer_index for u in runtime.units if u.layer_index is not None})
+    probed = [u for u in runtime.units if layers and u.layer_index == layers[len(layers) // 2]]
+    heads = [u for u in runtime.units if u.layer_index is None]
+    gc_plan = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
+
+    def probe(extra: dict) -> "RuntimeStats":
+        runtime.set_plan({**gc_plan, **extra})
+        run()
+        return runtime.stats()
+
+    held: dict[str, float] = {}
     try:
-        runtime.set_plan({})
+        whole = probe({})
+        runtime.set_plan({**gc_plan, **{u.name: "keep" for u in probed}})
         times = _unit_times(runtime, run, clock)
         keep = runtime.stats()
-        runtime.set_plan({u.name: "int8" for u in runtime.units})
-        run()
-        int8 = runtime.stats()
-        held: dict[str, float] = {}
-        for names in kinds.values():
-            runtime.set_plan({n: "recompute" for n in names})
-            run()
-            stats = runtime.stats()
-            held.update({n: stats.units[n].stored_bytes for n in names})
-        layers = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
-        blocks = runtime.whole_blocks(layers)
-        if blocks:
-            runtime.set_plan(layers)
-            run()
-            whole = runtime.stats()
+        int8 = probe({u.name: "int8" for u in probed + heads})
+        for i, u in enumerate(probed or heads):
+            extra = {**{v.name: "keep" for v in probed}, u.name: "recompute"}
+            extra.update({h.name: "recompute" for h in heads} if i == 0 else {})
+            stats = probe(extra)
+            held[unit_kind(u.name)] = stats.units[u.name].stored_bytes
+            held.update({h.name: stats.units[h.name].stored_bytes for h in heads} if i == 0 else {})
     finally:
         runtime.set_plan(plan_before)
     r8 = payload_ratio("int8", element_size)
-    units = []
-    for u in runtime.units:
+    figures = {}  # kind -> (saved bytes, compressible share), from the probed layer and the head
+    for u in probed + heads:
         saved, stored8 = keep.units[u.name].saved_bytes, int8.units[u.name].stored_bytes
-        compressible = min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0
-        units.append(UnitProfile(u.name, saved, held[u.name], times[u.name], compressible))
+        figures[unit_kind(u.name)] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
+    units = [UnitProfile(u.name, figures[unit_kind(u.name)][0], held[unit_kind(u.name)], times[u.name],
+                         figures[unit_kind(u.name)][1]) for u in runtime.units]
+    # totals held at the end of the forward: every layer kept = GC's plan + one probed layer's difference per layer
+    total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes  # noqa: E731
+    keep_all = total(whole) + len(layers) * (total(keep) - total(whole))
+    unmanaged = max(keep_all - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, small tensors
+    saving = 0.0
+    if layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
+        summed = sum(u.held_bytes if u.name in gc_plan else u.saved_bytes for u in units) + unmanaged
+        saving = max((summed - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16)
     sample = torch.randn(1024, 1024, device=device, dtype=torch.float32 if element_size == 4 else torch.bfloat16)
     nbytes = sample.numel() * sample.element_size()
     codec = _throughput(clock, lambda: quantize(sample, "int8", 64).dequantize(), 2 * nbytes)
     host = _throughput(clock, lambda: sample.to("cpu", copy=True), nbytes)
-    saving = 0.0
-    if blocks:  # per layer: the sum of its units' recompute figures minus what a region really held
-        summed = sum(held[n] for n in layers) + keep.unmanaged_bytes
-        measured = sum(whole.units[n].stored_bytes for n in layers) + whole.unmanaged_bytes
-        saving = max((summed - measured) / blocks, 0.0)
-    # unmanaged state (residual stream, masks, small tensors) is kept whatever the plan
-    return CostTable(units, tokens, keep.unmanaged_bytes, element_size, codec, host, region_saving_bytes=saving,
-                     **kwargs)
+    return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving, **kwargs)
