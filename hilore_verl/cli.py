@@ -96,13 +96,19 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
-                         rounds=args.rounds, model=args.model)
+                         rounds=args.rounds, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast)
     shape = (f"model {config.model} (random weights)" if config.model else
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
           f"responses up to {config.max_response_len} tokens", flush=True)
-    report = run_bench(config, methods, sweep=not args.no_sweep, peaks=not args.no_peaks,
-                       risk_budget=args.risk_budget)
+    from hilore_verl.bench.run import WorkloadRefused
+
+    try:
+        report = run_bench(config, methods, sweep=not args.no_sweep, peaks=not args.no_peaks,
+                           risk_budget=args.risk_budget)
+    except WorkloadRefused as err:
+        print(f"hilore-verl bench: {err}", file=sys.stderr)
+        return 2
     print(table(report))
     if args.json:
         save_json(report, args.json)
@@ -149,12 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_positive, default=3, help="timed steps per method, round-robin (default 3)")
     bench.add_argument("--model", default=None, help="a preset (e.g. qwen2.5-1.5b) or HF model directory: its "
                                                      "architecture with random weights (default: the Qwen2 shape below)")
-    bench.add_argument("--hidden", type=_positive, default=768)
+    bench.add_argument("--hidden", type=_positive, default=512)
     bench.add_argument("--layers", type=_positive, default=4)
     bench.add_argument("--vocab", type=_positive, default=4000)
-    bench.add_argument("--groups", type=_positive, default=2, help="prompts per mini-batch (default 2)")
+    bench.add_argument("--groups", type=_positive, default=4, help="prompts per mini-batch (default 4)")
     bench.add_argument("--group-size", type=_positive, default=8, help="responses per prompt (default 8)")
-    bench.add_argument("--response-len", type=_positive, default=64, help="longest response (default 64)")
+    bench.add_argument("--response-len", type=_positive, default=192, help="longest response (default 192)")
+    bench.add_argument("--no-pack", action="store_true",
+                       help="left-right padded sequences instead of one packed row (refused above 20%% padding)")
+    bench.add_argument("--no-autocast", action="store_true",
+                       help="CPU: compute in fp32 instead of bf16 autocast over fp32 weights")
     bench.add_argument("--risk-budget", type=_number(0.0, inclusive=True), default=0.01,
                        help="HiLoRe's risk budget, a finite number >= 0 (default 0.01)")
     bench.add_argument("--no-sweep", action="store_true", help="skip the planners' budget sweep")

@@ -1,6 +1,7 @@
 """`hilore-verl bench` on a small model: every method runs (verl's offload is marked unavailable without a
 GPU), exact methods give the exact gradient, lossy ones stay within bounds, the sweep and the report hold."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -137,3 +138,35 @@ def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():
     for name in ("runtime_keep", "runtime_recompute"):
         assert m[name]["status"] == "ok" and m[name]["grad_rel_error"] == 0.0, m[name]  # keep / recompute: exact
     assert s["runtime_keep_vs_no_gc"] > 0 and s["runtime_recompute_vs_gc"] > 0, s
+
+
+def test_the_packed_row_gives_the_padded_layouts_loss_and_gradient():
+    import torch
+
+    from hilore_verl.bench.workload import build_model, loss_of, make_batch, padding_share
+
+    config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
+                         max_response_len=48, autocast=False)
+    results = []
+    for pack in (True, False):
+        cfg = dataclasses.replace(config, pack=pack)
+        batch, model = make_batch(cfg), build_model(cfg)
+        loss = loss_of(model, batch, batch["coef"])
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), batch))
+    (loss_p, grad_p, packed), (loss_d, grad_d, padded) = results
+    assert padding_share(packed) == 0.0 and padding_share(padded) > 0.2
+    assert packed["input_ids"].shape == (1, int(padded["attention_mask"].sum()))
+    assert torch.allclose(loss_p, loss_d, rtol=1e-5, atol=1e-7)
+    assert float(grad_p @ grad_d / (grad_p.norm() * grad_d.norm())) > 0.99999
+
+
+def test_a_workload_unlike_a_gpu_job_is_refused_naming_the_flag():
+    from hilore_verl.bench.run import WorkloadRefused
+
+    with pytest.raises(WorkloadRefused, match=r"% of the padded batch's token positions are padding .* drop --no-pack"):
+        run_bench(dataclasses.replace(SMALL, pack=False), methods=("gc",), sweep=False, peaks=False)
+    heavy = BenchConfig(hidden_size=256, num_layers=2, vocab_size=16384, num_groups=1, group_size=2,
+                        max_response_len=16, rounds=1)  # a small batch on a large vocabulary: static dominates
+    with pytest.raises(WorkloadRefused, match=r"static memory .* of GC's peak .*\(--groups, --group-size"):
+        run_bench(heavy, methods=("no_gc", "gc"), sweep=False, peaks=True)

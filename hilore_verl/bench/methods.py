@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 import hilore_verl
-from hilore_verl.bench.workload import BenchConfig, build_model, coefficients, loss_of, static_bytes
+from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, static_bytes,
+                                        tokens_of)
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller, profile
-from hilore_verl.risk import RiskModel, calibrate
+from hilore_verl.risk import RiskModel, calibrate_by_kind
 
 METHODS = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
            "hilore", "runtime_keep", "runtime_recompute")
@@ -48,6 +49,7 @@ class Method:
     c: torch.Tensor | None = None
     exposure_l2: float = 0.0
     plan_s: list[float] = field(default_factory=list)
+    config: BenchConfig = field(default_factory=BenchConfig)
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One actor update (forward, backward, optimizer step); returns its seconds."""
@@ -62,13 +64,15 @@ class Method:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         if self.controller is not None:
             t = time.perf_counter()
-            tokens = int(batch["attention_mask"].sum())
+            tokens = tokens_of(batch)
             self.controller.begin_mini_batch([self.exposure_l2], [tokens])
             self.controller.plan_micro_batch(0)
             self.plan_s.append(time.perf_counter() - t)
         head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None
         with self.context() if self.context is not None else _null():
-            loss_of(self.model, batch, self.c, head).backward()
+            with forward_context(self.config):
+                loss = loss_of(self.model, batch, self.c, head)
+            loss.backward()
 
     def gradient(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -118,7 +122,7 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         raise Unavailable("verl's activation offload copies on a CUDA side stream; no GPU here")
     model = build_model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    method = Method(name, model, optimizer, c=coefficients(batch))
+    method = Method(name, model, optimizer, c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     if name in ("gc", "hidden_offload", "int8_boundary", "fp8_boundary"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -142,12 +146,14 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
 def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float, costs=None) -> None:
     runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=16384))
     method.runtime = runtime
-    tokens = int(batch["attention_mask"].sum())
+    tokens = tokens_of(batch)
     head = lambda fn, *args: runtime.call("head", fn, *args)  # noqa: E731
 
     def run(c=method.c):
         method.optimizer.zero_grad(set_to_none=True)
-        loss_of(method.model, batch, c, head).backward()
+        with forward_context(method.config):
+            loss = loss_of(method.model, batch, c, head)
+        loss.backward()
 
     if costs is None:
         costs = profile(runtime, run, tokens, element_size=next(method.model.parameters()).element_size())
@@ -160,7 +166,7 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
             run()
             return torch.cat([p.grad.flatten() for p in method.model.parameters() if p.grad is not None])
 
-        risk = calibrate(grad_fn, [u.name for u in runtime.units], method.exposure_l2, fmts=("int8",),
+        risk = calibrate_by_kind(grad_fn, [u.name for u in runtime.units], method.exposure_l2, fmts=("int8",),
                          model=RiskModel())
     method.optimizer.zero_grad(set_to_none=True)
     # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
@@ -177,7 +183,7 @@ def planner_state(method: Method) -> dict:
 
 def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
     model = build_model(config)
-    method = Method(name, model, torch.optim.AdamW(model.parameters(), lr=1e-6), c=coefficients(batch))
+    method = Method(name, model, torch.optim.AdamW(model.parameters(), lr=1e-6), c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
     saved = state["controller"]

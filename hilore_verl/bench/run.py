@@ -20,10 +20,17 @@ import time
 import torch
 
 from hilore_verl.bench import methods as M
-from hilore_verl.bench.workload import BenchConfig, head_flop_share, make_batch, static_bytes
+from hilore_verl.bench.workload import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
+                                        padding_share, static_bytes, tokens_of)
 from hilore_verl.planner import BudgetConfig, Controller
 
 SWEEP = (1.0, 1.1, 1.25, 1.5)  # x the full-GC peak; plus the no-GC peak
+MAX_STATIC_SHARE = 0.60  # of GC's peak, as on a GPU running GC
+GC_OVERHEAD_RANGE = (0.20, 0.33)  # GC's step time over no GC's on GPU jobs
+
+
+class WorkloadRefused(ValueError):
+    """The workload is not shaped like a GPU job (the message names the flag to change)."""
 
 
 class Progress:
@@ -43,8 +50,22 @@ class Progress:
 def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.METHODS, sweep: bool = True,
               peaks: bool = True, risk_budget: float = 0.01) -> dict:
     batch = make_batch(config)
-    tokens = int(batch["attention_mask"].sum())
+    tokens = tokens_of(batch)
+    if padding_share(batch) > MAX_PADDING_SHARE:
+        raise WorkloadRefused(f"{100 * padding_share(batch):.0f}% of the padded batch's token positions are padding "
+                              f"(a GPU job packs them: at most {100 * MAX_PADDING_SHARE:.0f}%); drop --no-pack")
     results: dict[str, dict] = {m: {"status": "ok"} for m in methods}
+    early: dict[str, dict] = {}
+    if peaks and "gc" in methods:  # the proportions first: a workload unlike a GPU job is refused before timing
+        with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
+            early["gc"] = _peak("gc", config, None, tmp)
+        static = static_bytes(build_model(config))
+        if "peak_bytes" in early["gc"] and static > MAX_STATIC_SHARE * early["gc"]["peak_bytes"]:
+            raise WorkloadRefused(
+                f"static memory ({static / 2**20:.0f} MiB: weights, gradients, AdamW) is "
+                f"{100 * static / early['gc']['peak_bytes']:.0f}% of GC's peak ({early['gc']['peak_bytes'] / 2**20:.0f} "
+                f"MiB); a GPU job is at most {100 * MAX_STATIC_SHARE:.0f}%: raise the tokens per step (--groups, "
+                "--group-size, --response-len) or shrink the model (--hidden, --layers, --vocab)")
     built: dict[str, M.Method] = {}
     planners = [m for m in methods if m in M.PLANNERS]
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
@@ -76,6 +97,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         progress.tick(f"gradient + warm-up {name}")
     variants = _sweep_controllers(built, points)
     times: dict[object, list[float]] = {k: [] for k in [*built, *variants]}
+    planning: dict[str, list[float]] = {k: [] for k in built}  # controller time inside each method's timed steps
     for r in range(config.rounds):
         for key in [k for k in times if not isinstance(k, tuple) or r == 0]:  # sweep points: one round
             method = built[key[0]] if isinstance(key, tuple) else built[key]
@@ -83,6 +105,8 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 method.controller, saved = variants[key], method.controller
             try:
                 times[key].append(method.step(batch))
+                if isinstance(key, str) and method.controller is not None:
+                    planning[key].append(method.plan_s[-1])
             finally:
                 if isinstance(key, tuple):
                     method.controller = saved
@@ -95,7 +119,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             c = method.controller
             results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
                                  budget_bytes=c.memory_budget, gc_peak_predicted_bytes=c.gc_peak,
-                                 controller_share=sum(method.plan_s[-config.rounds:]) / sum(times[name]))
+                                 controller_share=sum(planning[name]) / sum(times[name]))
     sweep_rows = []
     for key, controller in variants.items():
         t = statistics.median(times[key])
@@ -107,10 +131,11 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
             for name in methods:
                 if results[name]["status"] == "ok":
-                    results[name].update(_peak(name, config, built[name], tmp))
+                    results[name].update(early.get(name) or _peak(name, config, built[name], tmp))
                 progress.tick(f"peak memory {name}")
     any_model = built[next(iter(built))].model if built else None
-    report = {"config": config.to_dict(), "tokens": tokens, "static_bytes": static_bytes(any_model) if built else None,
+    report = {"config": config.to_dict(), "tokens": tokens, "padding_share": padding_share(batch),
+              "static_bytes": static_bytes(any_model) if built else None,
               "head_flop_share": head_flop_share(any_model) if built else None, "methods": results, "sweep": sweep_rows,
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
@@ -133,7 +158,7 @@ def _sweep_controllers(built: dict[str, M.Method], points) -> dict[tuple, Contro
 
 def _peak(name: str, config: BenchConfig, method: M.Method, tmp: str) -> dict:
     state = None
-    if method.controller is not None:
+    if method is not None and method.controller is not None:
         state = os.path.join(tmp, f"{name}.pt")
         torch.save(M.planner_state(method), state)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
@@ -162,6 +187,7 @@ def summarize(report: dict) -> dict:
     if "gc" in ok and "no_gc" in ok:
         t_gc, t_no = ok["gc"]["step_s"], ok["no_gc"]["step_s"]
         out["gc_overhead"] = t_gc / t_no - 1
+        out["gc_overhead_in_range"] = GC_OVERHEAD_RANGE[0] <= out["gc_overhead"] <= GC_OVERHEAD_RANGE[1]
         if "peak_bytes" in ok["gc"]:
             out["static_share_of_gc_peak"] = report["static_bytes"] / ok["gc"]["peak_bytes"]
         if "hilore" in ok:
@@ -206,7 +232,9 @@ def table(report: dict) -> str:
     s = report["summary"]
     lines.append("")
     if "gc_overhead" in s:
-        lines.append(f"GC overhead over no GC: {100 * s['gc_overhead']:.1f}% (GPU jobs: 20-33%); "
+        lines.append(f"GC overhead over no GC: {100 * s['gc_overhead']:.1f}% (GPU jobs: 20-33%"
+                     + ("" if s["gc_overhead_in_range"] else "; OUT OF RANGE, ratios below are not a GPU job's") + "); "
+                     f"padding {100 * report['padding_share']:.0f}% of token positions; "
                      f"vocabulary head {100 * report['head_flop_share']:.1f}% of forward matmul FLOPs; static "
                      f"{report['static_bytes'] / 2**20:.0f} MiB"
                      + (f" = {100 * s['static_share_of_gc_peak']:.0f}% of GC's peak" if "static_share_of_gc_peak" in s else ""))

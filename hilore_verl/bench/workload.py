@@ -4,10 +4,16 @@ The loss is the GRPO policy gradient at the on-policy point in verl's token-mean
 
     L = -sum_t A_t * log p_t / N_tokens        (dL/dlog p_t = c_t = -A_t / N: verl's ppo_loss at ratio 1)
 
-so its gradient is the actor update's. On CUDA the model runs in bf16 (Triton codecs); on the CPU in
-fp32 (torch reference codecs). Sizes follow docs/design.md's realism rules: static memory
-(fp32 weights, grads and two Adam moments: 16 bytes per parameter) about half of the full-GC peak,
-the vocabulary head a GPU-like share of the FLOPs, and GC's overhead over no GC printed.
+so its gradient is the actor update's. Shaped like a verl GPU job:
+
+- precision: on the CPU fp32 weights, gradients and AdamW state with bf16 autocast activations
+  (verl's FSDP mixed precision); on CUDA bf16 weights (Triton codecs);
+- layout: the sequences packed into one row with restarting position ids (verl's
+  use_remove_padding), so no token is padding; `pack=False` gives verl's left-right padded
+  layout, refused when more than 20% of its tokens are padding;
+- size: static memory (16 bytes per parameter) at most 60% of GC's peak, GC's overhead over no
+  GC 20-33%, the vocabulary head a GPU-like share of the FLOPs; all printed, out-of-range
+  proportions refused or flagged by `hilore-verl bench`.
 """
 
 from __future__ import annotations
@@ -20,18 +26,21 @@ from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
 
+MAX_PADDING_SHARE = 0.20  # of the batch's token positions
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    hidden_size: int = 768
+    hidden_size: int = 512
     """Model width (Qwen2 shape; intermediate = 8/3 x hidden rounded to 64)."""
     num_layers: int = 4
     vocab_size: int = 4000
-    num_groups: int = 2
+    num_groups: int = 4
     """Prompts per mini-batch."""
     group_size: int = 8
     """Responses per prompt (GRPO's G)."""
-    max_prompt_len: int = 32
-    max_response_len: int = 64
+    max_prompt_len: int = 64
+    max_response_len: int = 192
     zero_advantage_share: float = 0.5
     """Share of groups whose responses all got the same reward (zero advantage)."""
     rounds: int = 3
@@ -39,6 +48,10 @@ class BenchConfig:
     seed: int = 0
     model: str | None = None
     """A preset or HF model directory: its architecture (random weights) instead of the Qwen2 shape above."""
+    pack: bool = True
+    """Pack the sequences into one row (no padding), as verl's use_remove_padding; False: left-right padded."""
+    autocast: bool = True
+    """CPU: bf16 autocast over fp32 weights (False: fp32 throughout). CUDA runs bf16 weights either way."""
 
     @property
     def intermediate_size(self) -> int:
@@ -58,12 +71,18 @@ class BenchConfig:
 
 
 def device() -> torch.device:
-    """CUDA when present (bf16 weights, Triton codecs), else the CPU (fp32, torch reference codecs)."""
+    """CUDA when present (bf16 weights, Triton codecs), else the CPU (fp32 weights, fused CPU codecs)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def dtype() -> torch.dtype:
     return torch.bfloat16 if device().type == "cuda" else torch.float32
+
+
+def forward_context(config: BenchConfig):
+    """What the forward runs under: bf16 autocast on the CPU (verl's mixed precision), else nothing."""
+    enabled = config.autocast and device().type == "cpu"
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 def build_model(config: BenchConfig) -> torch.nn.Module:
@@ -85,29 +104,58 @@ def build_model(config: BenchConfig) -> torch.nn.Module:
 
 
 def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
+    """Model inputs (`input_ids`, `position_ids`, and `attention_mask` when padded) and, per response
+    token, where its log-probability is read (`logit_index` into the flattened logits), the token
+    (`targets`) and its loss coefficient (`coef`); `tokens`: real tokens, `positions`: all positions."""
     workload = GRPOWorkload(num_groups=config.num_groups, group_size=config.group_size,
                             max_prompt_len=config.max_prompt_len, max_response_len=config.max_response_len,
+                            min_prompt_len=max(1, config.max_prompt_len // 2),
                             zero_advantage_share=config.zero_advantage_share, vocab_size=config.vocab_size)
-    return {k: v.to(device()) for k, v in make_grpo_batch(workload, seed=config.seed).items()}
+    padded = make_grpo_batch(workload, seed=config.seed)
+    mask = padded["attention_mask"].bool()
+    B, S = mask.shape
+    R = padded["responses"].shape[1]
+    resp = padded["response_mask"].bool()
+    # the logit predicting response token j of row b sits at position S - R - 1 + j of that row
+    rows, cols = resp.nonzero(as_tuple=True)
+    source = rows * S + (S - R - 1) + cols
+    c = -padded["advantages"] / resp.sum()  # c_t = dL/dlog p_t of the token-mean loss
+    batch = {"targets": padded["responses"][rows, cols], "coef": c[rows, cols].float(),
+             "tokens": mask.sum(), "positions": torch.tensor(mask.numel())}
+    if config.pack:  # valid tokens in one row; a packed position's index is its rank among the valid ones
+        rank = torch.full((B * S,), -1, dtype=torch.long)
+        rank[mask.view(-1)] = torch.arange(int(mask.sum()))
+        batch.update(input_ids=padded["input_ids"][mask][None], position_ids=padded["position_ids"][mask][None],
+                     logit_index=rank[source], positions=mask.sum())
+    else:
+        batch.update(input_ids=padded["input_ids"], position_ids=padded["position_ids"],
+                     attention_mask=padded["attention_mask"], logit_index=source)
+    return {k: v.to(device()) for k, v in batch.items()}
+
+
+def tokens_of(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["tokens"])
+
+
+def padding_share(batch: dict[str, torch.Tensor]) -> float:
+    return 1.0 - int(batch["tokens"]) / int(batch["positions"])
 
 
 def coefficients(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """c_t = dL/dlog p_t of the token-mean GRPO loss at the on-policy point: -A_t / N_tokens."""
-    mask = batch["response_mask"].float()
-    return -batch["advantages"] * mask / mask.sum()
+    """c_t = dL/dlog p_t of the token-mean GRPO loss at the on-policy point: -A_t / N_tokens (per response token)."""
+    return batch["coef"]
 
 
 def response_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, R) log-probabilities of the response tokens (the vocabulary-sized part of the step)."""
-    R = batch["responses"].shape[1]
-    logp = torch.log_softmax(logits[:, -R - 1:-1].float(), dim=-1)
-    return logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    """(N,) log-probabilities of the response tokens (the vocabulary-sized part of the step)."""
+    rows = logits.reshape(-1, logits.shape[-1])[batch["logit_index"]]
+    return torch.log_softmax(rows.float(), dim=-1).gather(-1, batch["targets"][:, None]).squeeze(-1)
 
 
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Tensor, head=None) -> torch.Tensor:
     """Forward: the surrogate sum_t c_t log p_t; `head(fn, *args)` runs the log-prob part (a runtime's unit)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    logits = model(**inputs, use_cache=False).logits
     logp = head(response_log_probs, logits, batch) if head is not None else response_log_probs(logits, batch)
     return (logp * c).sum()
 
