@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from hilore_verl.kernels import FORMATS, GROUP_SIZES, ROW_INT4, ROW_INT8, ROW_KEEP, dequantize_rows, quantize, \
-    quantize_rows
+from hilore_verl.kernels import FORMATS, GROUP_SIZES, quantize
 from hilore_verl.kernels.reference import QMAX, _fp8_encode, fp8_decode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -69,14 +68,6 @@ def test_values_up_to_the_dtype_max_decode_finite_within_the_bound(fmt, dtype, s
     assert (y[0].float() == torch.finfo(dtype).max).all()  # +-max itself is a code times the scale, exactly
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_row_mixed_values_up_to_the_dtype_max_decode_finite(dtype):
-    x = _extremes(dtype)
-    y = dequantize_rows(quantize_rows(x, torch.tensor([1, 2, 0, 1, 2, 1], dtype=torch.int8), 64))
-    assert torch.isfinite(y).all()
-    assert (y[0].float() == torch.finfo(dtype).max).all()
-
-
 def test_fp8_encoding_is_torchs_e4m3fn_cast():
     g = torch.Generator().manual_seed(1)
     y = torch.cat([torch.randn(50000, generator=g) * 100, torch.randn(5000, generator=g) * 0.01,
@@ -128,19 +119,6 @@ def test_int4_packing_layout():
     assert q.codes[0, 0].item() == (15 | (1 << 4)) and q.codes.shape == (1, 16)
 
 
-def test_row_mixed_keeps_rows_exact_and_compresses_the_rest():
-    x = torch.randn(12, 128, dtype=torch.bfloat16)
-    row_fmt = torch.tensor([0, 1, 2] * 4, dtype=torch.int8)
-    q = quantize_rows(x, row_fmt, 64)
-    y = dequantize_rows(q)
-    keep = row_fmt == ROW_KEEP
-    assert torch.equal(y[keep].view(torch.int16), x[keep].view(torch.int16))
-    for cls, fmt in ((ROW_INT8, "int8"), (ROW_INT4, "int4")):
-        rows = row_fmt == cls
-        assert torch.equal(y[rows], quantize(x[rows], fmt, 64).dequantize())
-    assert q.nbytes < x.numel() * 2 * (4 + 1 + 0.5 + 3 * 5 / 64) / 6 + 12 * 17  # vs all kept: 2 bytes each
-
-
 def test_bad_input_names_the_valid_values():
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="unknown format 'int3'; valid formats: int8, fp8, int4"):
@@ -154,7 +132,3 @@ def test_bad_input_names_the_valid_values():
         quantize(torch.ones(4, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="empty"):
         quantize(torch.empty(0, 64))
-    with pytest.raises(ValueError, match=r"row_fmt must be an int8 tensor of shape \(4,\)"):
-        quantize_rows(x, torch.zeros(3, dtype=torch.int8))
-    with pytest.raises(ValueError, match="row classes must be one of"):
-        quantize_rows(x, torch.full((4,), 5, dtype=torch.int8))

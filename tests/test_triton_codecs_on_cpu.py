@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hilore_verl.kernels import FORMATS, GROUP_SIZES, reference, rows
+from hilore_verl.kernels import FORMATS, GROUP_SIZES, reference
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1, set by conftest)")
@@ -70,7 +70,7 @@ def test_zero_and_non_finite_groups_match_the_reference():
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's product, saturated
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_values_up_to_the_dtype_max_match_the_reference_and_decode_finite(dtype):
-    from hilore_verl.kernels import triton_codec, triton_rows
+    from hilore_verl.kernels import triton_codec
 
     big = torch.finfo(dtype).max
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).clamp(-1, 1) * big
@@ -81,36 +81,3 @@ def test_values_up_to_the_dtype_max_match_the_reference_and_decode_finite(dtype)
         y = triton_codec.dequantize(out).cpu()
         assert same_bits(out.codes.cpu(), ref.codes) and same_bits(out.scales.cpu(), ref.scales)
         assert same_bits(y, reference.dequantize(ref)) and torch.isfinite(y).all(), fmt
-    row_fmt = torch.tensor([1, 2, 0, 1, 2], dtype=torch.int8)
-    y = triton_rows.dequantize_rows(triton_rows.quantize_rows(x, row_fmt.to(DEVICE), 64)).cpu()
-    assert same_bits(y, rows.dequantize_rows(rows.quantize_rows(x.cpu(), row_fmt, 64))) and torch.isfinite(y).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_row_mixed_kernels_match_the_reference(dtype):
-    from hilore_verl.kernels import triton_rows
-
-    for group_size in GROUP_SIZES:
-        x = _x((45, 256), dtype, seed=group_size)
-        row_fmt = torch.randint(0, 3, (45,), generator=torch.Generator().manual_seed(group_size), dtype=torch.int8)
-        x[4, 3] = float("nan")
-        row_fmt[4] = 1
-        ref = rows.quantize_rows(x.cpu(), row_fmt, group_size)
-        out = triton_rows.quantize_rows(x, row_fmt.to(DEVICE), group_size)
-        for field in ("keep", "codes", "scales", "flags", "index"):
-            assert same_bits(getattr(out, field).cpu(), getattr(ref, field)), (group_size, field)
-        y = triton_rows.dequantize_rows(out).cpu()
-        assert same_bits(y, rows.dequantize_rows(ref))
-        keep = row_fmt == rows.ROW_KEEP
-        assert same_bits(y[keep], x.cpu()[keep])  # keep rows bit-exact
-
-
-def test_row_mixed_all_keep_and_all_compressed():
-    from hilore_verl.kernels import triton_rows
-
-    x = _x((33, 128), torch.float32)
-    for cls in (0, 1, 2):
-        row_fmt = torch.full((33,), cls, dtype=torch.int8)
-        out = triton_rows.quantize_rows(x, row_fmt.to(DEVICE), 64)
-        assert same_bits(triton_rows.dequantize_rows(out).cpu(),
-                         rows.dequantize_rows(rows.quantize_rows(x.cpu(), row_fmt, 64)))

@@ -1,8 +1,7 @@
-"""Codecs for saved activations: group-wise int8 / fp8-e4m3 / int4, and row-mixed precision.
+"""Codecs for saved activations: group-wise int8 / fp8-e4m3 / int4.
 
     q = quantize(x, fmt="int8", group_size=64)       # QuantizedTensor: codes + scales + flags
     y = q.dequantize()                                # x's shape and dtype
-    qm = quantize_rows(x, row_fmt)                    # per-row keep / int8 / int4 in one payload
 
 Formats are specified once, in `kernels.formats`. Dispatch by device: Triton kernels for CUDA
 tensors; for CPU tensors the fused path (`kernels.cpu_fused`: the reference compiled by
@@ -17,10 +16,9 @@ import os
 
 import torch
 
-from hilore_verl.kernels import cpu_fused, reference, rows
+from hilore_verl.kernels import cpu_fused, reference
 from hilore_verl.kernels.formats import DTYPES, FORMATS, GROUP_SIZES, SPECS, payload_ratio
 from hilore_verl.kernels.reference import QuantizedTensor
-from hilore_verl.kernels.rows import ROW_INT4, ROW_INT8, ROW_KEEP, RowQuantized
 
 CPU_CODECS = ("fused", "reference")
 
@@ -55,22 +53,3 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 __all__ = ["DTYPES", "FORMATS", "GROUP_SIZES", "SPECS", "QuantizedTensor", "cpu_codec", "dequantize", "payload_ratio",
            "quantize"]
 
-
-def quantize_rows(x: torch.Tensor, row_fmt: torch.Tensor, group_size: int = 64) -> RowQuantized:
-    """Row-mixed precision: row_fmt (R,) int8 with ROW_KEEP (0), ROW_INT8 (1) or ROW_INT4 (2) per row."""
-    if x.is_cuda:
-        from hilore_verl.kernels import triton_rows
-
-        return triton_rows.quantize_rows(x, row_fmt, group_size)
-    return rows.quantize_rows(x, row_fmt, group_size)
-
-
-def dequantize_rows(q: RowQuantized) -> torch.Tensor:
-    if q.codes.is_cuda:
-        from hilore_verl.kernels import triton_rows
-
-        return triton_rows.dequantize_rows(q)
-    return rows.dequantize_rows(q)
-
-
-__all__ += ["ROW_INT4", "ROW_INT8", "ROW_KEEP", "RowQuantized", "dequantize_rows", "quantize_rows"]
