@@ -107,3 +107,30 @@ def test_a_rerun_that_makes_other_calls_fails_loudly():
     mlp.forward = flaky
     with pytest.raises(RuntimeError, match="diverged from its forward"):
         policy_gradient_step(model)
+
+
+def test_a_replayed_compressed_output_is_decoded_once_for_the_rerun_and_the_saves(monkeypatch):
+    import hilore_verl.runtime.records as records
+
+    ref = _model()
+    _, exact = policy_gradient_step(copy.deepcopy(ref))
+    counts = {}
+    for share in (True, False):
+        model = copy.deepcopy(ref)
+        rt = attach(model)
+        rt.set_plan({"layers": "recompute", "layers.0.mlp.proj": "int8"})  # layer 0's MLP re-run replays them
+        decodes = []
+        real = records.Compressed.get
+        monkeypatch.setattr(records.Compressed, "get", lambda self: decodes.append(1) or real(self))
+        if not share:
+            monkeypatch.setattr(records.Checked, "decode_for_replay", lambda self: self.held.get())
+        _, grads = policy_gradient_step(model)
+        monkeypatch.undo()
+        counts[share] = len(decodes)
+        assert all(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), 0) > 0.9999
+                   for n, g in exact.items() if g.abs().sum() > 0)
+        if share:
+            shared = grads
+        else:
+            assert all(torch.equal(shared[n], g) for n, g in grads.items())  # the same values either way
+    assert counts[True] < counts[False]

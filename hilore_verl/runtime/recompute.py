@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from hilore_verl.runtime.records import Region, map_tree, tensor_leaves
+from hilore_verl.runtime.records import Checked, Region, map_tree, tensor_leaves
 
 CACHE_KWARGS = ("past_key_values", "past_key_value")
 
@@ -179,7 +179,10 @@ def materialize(held_tree):
 
 def _materialize_one(held: HeldInput) -> torch.Tensor:
     value = held.value
-    t = (value if isinstance(value, torch.Tensor) else value.get()).detach()
+    if isinstance(value, Checked):  # shared with the saves of the same payload still to be unpacked
+        t = value.decode_for_replay().detach()
+    else:
+        t = (value if isinstance(value, torch.Tensor) else value.get()).detach()
     return t.requires_grad_(held.requires_grad) if held.requires_grad else t
 
 

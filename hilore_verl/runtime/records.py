@@ -114,13 +114,20 @@ class VersionWatch:
 
 
 class Checked:
-    """A compressed payload (or its offloaded copy) with the version watch of the tensor it holds."""
+    """A compressed payload (or its offloaded copy) with the version watch of the tensor it holds.
 
-    __slots__ = ("held", "watch")
+    A region's re-run that hands out this payload as a replayed output decodes it; the saves of
+    the same payload not yet unpacked in this backward then get that tensor (`shared`) instead of
+    decoding their own copy: one decode and one copy in memory while the layer runs backward."""
+
+    __slots__ = ("held", "watch", "saves", "unpacked", "shared")
 
     def __init__(self, held: Any, watch: VersionWatch):
         self.held = held
         self.watch = watch
+        self.saves = 0  # autograd saves holding this payload (set by the runtime)
+        self.unpacked = 0
+        self.shared: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +135,20 @@ class Checked:
 
     def get(self) -> torch.Tensor:
         self.watch.check()
-        return self.held.get()
+        self.unpacked += 1
+        t = self.shared
+        if t is None:
+            return self.held.get()
+        if self.unpacked >= self.saves:  # its last save in this backward: let it go
+            self.shared = None
+        return t
+
+    def decode_for_replay(self) -> torch.Tensor:
+        self.watch.check()
+        t = self.shared if self.shared is not None else self.held.get()
+        if self.unpacked < self.saves:  # saves of it are still to come in this backward
+            self.shared = t
+        return t
 
 
 class LiveKeyMap:

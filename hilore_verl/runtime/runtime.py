@@ -456,6 +456,7 @@ class Runtime:
                 held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
                                else Compressed(payload, t.shape), VersionWatch(t))
                 fwd.compressed.put(key, t, held)
+            held.saves += int(saved)
             count(unit, key, t, stored=held.nbytes)
             return held
         handle = record.drop(locator, geometry, VersionWatch(t))
