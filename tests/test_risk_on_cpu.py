@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hilore_verl
-import hilore_verl.runtime.runtime as runtime_module
+import hilore_verl.runtime.saving as runtime_module
 from hilore_verl import exposure
 from hilore_verl.integration.engine import actor_config
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate, codec_error

@@ -54,7 +54,7 @@ def _codec_inputs_are_never_parameters(rank, world_size):
     from torch.distributed.tensor import DTensor
 
     import hilore_verl
-    import hilore_verl.runtime.runtime as runtime_module
+    import hilore_verl.runtime.saving as runtime_module
     from tests.harness.models import cosine_and_rel_error, policy_gradient_step
 
     model = _sharded_model("qwen2", torch.float32)

@@ -131,13 +131,13 @@ def test_parameters_never_reach_a_codec(monkeypatch):
     model = _model("llama")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = []
-    real = hilore_verl.runtime.runtime.quantize
+    real = hilore_verl.runtime.saving.quantize
 
     def spy(t, *args, **kwargs):
         seen.append(t)
         return real(t, *args, **kwargs)
 
-    monkeypatch.setattr(hilore_verl.runtime.runtime, "quantize", spy)
+    monkeypatch.setattr(hilore_verl.runtime.saving, "quantize", spy)
     rt = attach(model)
     rt.set_plan(Plan(default="int8"))
     policy_gradient_step(model)

@@ -8,12 +8,8 @@ Hooks, installed once by `attach` and removed by `detach`:
   - a thin `forward` wrapper on every unit module, which during a recompute returns the output
     held for a child call instead of running it again (selective recompute).
 
-Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
-are. Everything else is handled by its producer unit's mode: KEEP holds the tensor, COMPRESS a
-quantized payload (non-finite tensors stay exact and are counted), RECOMPUTE a `Dropped` handle.
-Unpack: check the tensor was not changed in place since it was saved (autograd's own check is off
-under saved-tensor hooks), then dequantize, or re-run the producing call once under its saved RNG
-state and autocast state, with held child outputs replayed, and hand out the regenerated tensor.
+Pack and unpack (`runtime/saving.py`): each saved tensor is held by its producer unit's mode.
+Recompute (`runtime/recompute.py`): a dropped tensor's region re-runs once in backward.
 
 A forward runs under the plan in force when it started (`set_plan` during a forward applies to the
 next one). A forward or backward that raises leaves the runtime ready for the next step; what it
@@ -31,19 +27,14 @@ from typing import Any, Mapping, Union
 import torch
 import torch.nn as nn
 
-from hilore_verl.kernels import quantize
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
-from hilore_verl.runtime.records import (CallRecord, Checked, Compressed, Dropped, Kept, LiveKeyMap, Region,
-                                         VersionWatch, geometry_of, map_tensors, storage_id, storage_key,
-                                         tensor_leaves)
+from hilore_verl.runtime.records import CallRecord, Dropped, LiveKeyMap, Region, map_tensors, storage_id, tensor_leaves
+from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensorHooks, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
-
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -84,18 +75,7 @@ class _Forward:
     top: CallRecord | None = None  # a block region's own code
 
 
-def _is_parameter_like(t: torch.Tensor) -> bool:
-    """Parameters, views of them (linear weights are saved as a transposed view) and autocast casts of them."""
-    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-        return True
-    fn = t.grad_fn
-    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-        nxt = fn.next_functions
-        return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
-    return False
-
-
-class Runtime:
+class Runtime(SavedTensorHooks):
     """Executes a Plan on a model's recovery units. Create with `hilore_verl.attach(model)`."""
 
     def __init__(self, model: nn.Module, units: list[RecoveryUnit], config: RuntimeConfig):
@@ -241,7 +221,7 @@ class Runtime:
         self._fwd = _Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
                              rerun=self._reruns(self._plans))
         self._hook_ctx = ExitStack()
-        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
 
     def _close_forward(self, merge: bool) -> None:
         fwd = self._fwd
@@ -273,7 +253,7 @@ class Runtime:
         fwd = self._fwd
         if fwd is not None and self._replay is None and fwd.region is None and fwd.rerun.get(module):
             for _, t in tensor_leaves((args, kwargs)):  # the block's inputs: held, never dropped
-                if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
+                if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
                     self._register(t, None, None, None)
             region = fwd.region = self._open_region(module, args, kwargs)
             fwd.top = CallRecord(module, None)  # what the block's own code hands its outermost calls
@@ -307,7 +287,7 @@ class Runtime:
         if producer is not None:
             child_index, producer.child_count = producer.child_count, producer.child_count + 1
         for path, t in tensor_leaves((args, kwargs)):
-            if t.dtype in FLOAT_DTYPES and not t.is_nested and not _is_parameter_like(t):
+            if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
                 if producer is None:
                     self._register(t, None, None, None)
                 else:  # the block's own code has no unit: its tensors go by the unit they are handed to
@@ -399,114 +379,15 @@ class Runtime:
         anchor = entry.anchor()
         return entry if anchor is not None else None
 
-    # ------------------------------------------------------------------ saved-tensor hooks
-    def _managed(self, t: torch.Tensor) -> bool:
-        return (not t.is_nested and t.dtype in FLOAT_DTYPES
-                and t.numel() * t.element_size() >= self.config.min_bytes and not _is_parameter_like(t))
-
-    def _pack(self, t: torch.Tensor):
-        if self._replay is not None:
-            return self._replay.pack(t)
-        fwd = self._fwd
-        frame = fwd.frames[-1] if fwd.frames else None
-        own_index = None
-        if frame is not None:
-            own_index = frame.own_count
-            frame.own_count += 1
-        if t.is_nested:
-            return Kept(t)
-        parameter = _is_parameter_like(t)
-        if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
-            kept = Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
-            fwd.stats.add_unmanaged(kept.tensor, parameter)  # the stats watch what lives as long as the graph
-            return kept
-        entry = self._lookup(t)
-        if entry is not None:
-            unit, record, locator = entry.unit, entry.record, entry.locator
-            geometry = geometry_of(t, entry.anchor()) if record is not None else None
-        elif frame is not None:
-            unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
-        else:
-            unit = None
-        if unit is None:
-            kept = Kept(t)
-            fwd.stats.add_unmanaged(kept.tensor, False)
-            return kept
-        return self._store(t, unit, record, locator, geometry, fwd)
-
-    def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
-        """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
-        only to re-run a call later; counted as held, not saved)."""
-        plan = fwd.plans[unit.index]
-        key = storage_key(t)
-        count = fwd.stats.add if saved else fwd.stats.add_held
-        if plan.mode == Mode.KEEP:
-            kept = Kept(t)
-            count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
-            return kept
-        if plan.mode == Mode.COMPRESS:
-            held = fwd.compressed.get(key)
-            if held is None:
-                payload = self._quantize(t, plan)
-                if payload is None or payload.has_nonfinite:  # kept exact, and counted
-                    kept = Kept(t)
-                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(),
-                          nonfinite=payload is not None, incompressible=payload is None)
-                    return kept
-                held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
-                               else Compressed(payload, t.shape), VersionWatch(t))
-                fwd.compressed.put(key, t, held)
-            held.saves += int(saved)
-            count(unit, key, t, stored=held.nbytes)
-            return held
-        handle = record.drop(locator, geometry, VersionWatch(t))
-        count(unit, key, t, stored=0)
-        return handle
-
-    def _quantize(self, t: torch.Tensor, plan: UnitPlan):
-        """Groups run along the last dim; a contiguous tensor whose last dim does not fit the group is
-        grouped over its flat elements. None when neither fits (the tensor is then kept exact)."""
-        g = plan.group_size
-        if t.shape[-1] % g == 0:
-            source = t
-        elif t.is_contiguous() and t.numel() % g == 0:
-            source = t.view(-1, g)
-        else:
-            return None
-        self._compressions += 1
-        seed = hash((self.config.seed, self._forwards, self._compressions)) & 0x7FFFFFFF
-        return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
-
-    def _offload_pool(self, device: torch.device) -> OffloadPool:
-        pool = self._pools.get(device)
-        if pool is None:
-            pool = self._pools[device] = OffloadPool(device)
-        return pool
-
-    def _hold(self, t: torch.Tensor):
-        """How a tensor needed for a later recompute is held: by its producer's mode."""
-        entry = self._lookup(t) if self._managed(t) else None
-        if entry is None or entry.unit is None or entry.record is None:
-            kept = Kept(t, alias=not isinstance(t, nn.Parameter))
-            self._fwd.stats.add_unmanaged_held(kept.tensor)
-            return kept
-        return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
-                           saved=False)
-
     # ------------------------------------------------------------------ recompute
     def _rerun(self, region: Region) -> None:
         replay = Replay(region)
         outer, self._replay = self._replay, replay
         try:
             with self._unit_hooks_for_recompute():
-                rerun(region, replay, self._pack, _unpack)
+                rerun(region, replay, self._pack, unpack)
         finally:
             self._replay = outer
-
-
-def _unpack(x):
-    return x if isinstance(x, torch.Tensor) else x.get()
-
 
 
 _ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

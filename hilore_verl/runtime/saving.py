@@ -1,0 +1,132 @@
+"""The runtime's saved-tensor hooks: how each tensor autograd saves is held until backward.
+
+Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
+are. Everything else is handled by its producer unit's mode (`Runtime._lookup` finds the
+producer): KEEP holds the tensor, COMPRESS a quantized payload (non-finite tensors stay exact and
+are counted), RECOMPUTE a `Dropped` handle on the producing call. Unpack: each holder checks the
+tensor was not changed in place since it was saved, then hands it out (decoded or regenerated).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hilore_verl.kernels import quantize
+from hilore_verl.runtime.offload import OffloadPool
+from hilore_verl.runtime.plan import Mode, UnitPlan
+from hilore_verl.runtime.records import Checked, Compressed, Kept, VersionWatch, geometry_of, storage_key
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_parameter_like(t: torch.Tensor) -> bool:
+    """Parameters, views of them (linear weights are saved as a transposed view) and autocast casts of them."""
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return True
+    fn = t.grad_fn
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+        nxt = fn.next_functions
+        return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    return False
+
+
+def unpack(x):
+    return x if isinstance(x, torch.Tensor) else x.get()
+
+
+class SavedTensorHooks:
+    """Pack side of `Runtime` (a mixin: it uses the runtime's forward state, registry and plans)."""
+
+    def _managed(self, t: torch.Tensor) -> bool:
+        return (not t.is_nested and t.dtype in FLOAT_DTYPES
+                and t.numel() * t.element_size() >= self.config.min_bytes and not is_parameter_like(t))
+
+    def _pack(self, t: torch.Tensor):
+        if self._replay is not None:
+            return self._replay.pack(t)
+        fwd = self._fwd
+        frame = fwd.frames[-1] if fwd.frames else None
+        own_index = None
+        if frame is not None:
+            own_index = frame.own_count
+            frame.own_count += 1
+        if t.is_nested:
+            return Kept(t)
+        parameter = is_parameter_like(t)
+        if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
+            kept = Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
+            fwd.stats.add_unmanaged(kept.tensor, parameter)  # the stats watch what lives as long as the graph
+            return kept
+        entry = self._lookup(t)
+        if entry is not None:
+            unit, record, locator = entry.unit, entry.record, entry.locator
+            geometry = geometry_of(t, entry.anchor()) if record is not None else None
+        elif frame is not None:
+            unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
+        else:
+            unit = None
+        if unit is None:
+            kept = Kept(t)
+            fwd.stats.add_unmanaged(kept.tensor, False)
+            return kept
+        return self._store(t, unit, record, locator, geometry, fwd)
+
+    def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
+        """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
+        only to re-run a call later; counted as held, not saved)."""
+        plan = fwd.plans[unit.index]
+        key = storage_key(t)
+        count = fwd.stats.add if saved else fwd.stats.add_held
+        if plan.mode == Mode.KEEP:
+            kept = Kept(t)
+            count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
+            return kept
+        if plan.mode == Mode.COMPRESS:
+            held = fwd.compressed.get(key)
+            if held is None:
+                payload = self._quantize(t, plan)
+                if payload is None or payload.has_nonfinite:  # kept exact, and counted
+                    kept = Kept(t)
+                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(),
+                          nonfinite=payload is not None, incompressible=payload is None)
+                    return kept
+                held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
+                               else Compressed(payload, t.shape), VersionWatch(t))
+                fwd.compressed.put(key, t, held)
+            held.saves += int(saved)
+            count(unit, key, t, stored=held.nbytes)
+            return held
+        handle = record.drop(locator, geometry, VersionWatch(t))
+        count(unit, key, t, stored=0)
+        return handle
+
+    def _quantize(self, t: torch.Tensor, plan: UnitPlan):
+        """Groups run along the last dim; a contiguous tensor whose last dim does not fit the group is
+        grouped over its flat elements. None when neither fits (the tensor is then kept exact)."""
+        g = plan.group_size
+        if t.shape[-1] % g == 0:
+            source = t
+        elif t.is_contiguous() and t.numel() % g == 0:
+            source = t.view(-1, g)
+        else:
+            return None
+        self._compressions += 1
+        seed = hash((self.config.seed, self._forwards, self._compressions)) & 0x7FFFFFFF
+        return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
+
+    def _offload_pool(self, device: torch.device) -> OffloadPool:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = OffloadPool(device)
+        return pool
+
+    def _hold(self, t: torch.Tensor):
+        """How a tensor needed for a later recompute is held: by its producer's mode."""
+        entry = self._lookup(t) if self._managed(t) else None
+        if entry is None or entry.unit is None or entry.record is None:
+            kept = Kept(t, alias=not isinstance(t, nn.Parameter))
+            self._fwd.stats.add_unmanaged_held(kept.tensor)
+            return kept
+        return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
+                           saved=False)
