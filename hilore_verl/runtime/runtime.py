@@ -252,9 +252,7 @@ class Runtime(SavedTensorHooks):
     def _block_pre(self, module, args, kwargs):
         fwd = self._fwd
         if fwd is not None and self._replay is None and fwd.region is None and fwd.rerun.get(module):
-            for _, t in tensor_leaves((args, kwargs)):  # the block's inputs: held, never dropped
-                if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
-                    self._register(t, None, None, None)
+            self._register_inputs(args, kwargs, None, None, None)  # the block's inputs: held, never dropped
             region = fwd.region = self._open_region(module, args, kwargs)
             fwd.top = CallRecord(module, None)  # what the block's own code hands its outermost calls
             fwd.top.region = region
@@ -286,17 +284,23 @@ class Runtime(SavedTensorHooks):
         child_index = None
         if producer is not None:
             child_index, producer.child_count = producer.child_count, producer.child_count + 1
-        for path, t in tensor_leaves((args, kwargs)):
-            if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
-                if producer is None:
-                    self._register(t, None, None, None)
-                else:  # the block's own code has no unit: its tensors go by the unit they are handed to
-                    self._register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+        self._register_inputs(args, kwargs, producer, unit, child_index)
         if fwd.region is None and fwd.plans[unit.index].mode == Mode.RECOMPUTE:  # the call is its own region
             fwd.region = self._open_region(fn, args, kwargs)
         if fwd.region is not None:
             fwd.region.add(record)
         fwd.frames.append(record)
+
+    def _register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index) -> None:
+        """A call's float inputs, as the j-th child inputs of their producing call; without a producer
+        they were made outside every unit (kept as they are). The block's own code has no unit: its
+        tensors go by the unit they are handed to."""
+        for path, t in tensor_leaves((args, kwargs)):
+            if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
+                if producer is None:
+                    self._register(t, None, None, None)
+                else:
+                    self._register(t, producer.unit or unit, producer, ("child_in", child_index, path))
 
     def _exit(self, fn, output) -> None:
         fwd = self._fwd
@@ -319,9 +323,15 @@ class Runtime(SavedTensorHooks):
         if not self._runs_again(fn, record.unit) and (parent is None or self._runs_again(parent.module, parent.unit)):
             # the re-run reaches this call: hand out its output instead of running it, unless part of
             # the output is itself dropped (then the call runs again)
-            values = []
-            held = map_tensors(output, lambda t: values.append(self._hold(t)) or HeldInput(values[-1], t.requires_grad))
-            if not any(isinstance(v, Dropped) for v in values):
+            dropped = []
+
+            def hold(t):
+                value = self._hold(t)
+                dropped.append(isinstance(value, Dropped))
+                return HeldInput(value, t.requires_grad)
+
+            held = map_tensors(output, hold)
+            if not any(dropped):
                 region.replays[record.order] = held
 
     def _runs_again(self, fn, unit: RecoveryUnit) -> bool:
