@@ -21,8 +21,12 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:
-    """Parameters, views of them (linear weights are saved as a transposed view) and autocast casts of them."""
-    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+    """Parameters, autocast casts of them, and views of either (a linear under autocast saves the
+    transposed view of the weight's bf16 cast): their size does not grow with tokens, and they are
+    never compressed or dropped."""
+    if t._base is not None:
+        t = t._base  # a view's storage is its base's
+    if isinstance(t, nn.Parameter):
         return True
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
