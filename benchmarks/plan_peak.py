@@ -38,6 +38,7 @@ def main() -> None:
         plan = {k: "recompute" for k in plan}
     config = BenchConfig()
     batch = make_batch(config)
+    hilore_verl.kernels.warm_up()  # the codec's compiled code is part of the base, as in the bench
     base = _status_kib("VmRSS")
     model = build_model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
