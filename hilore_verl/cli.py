@@ -96,7 +96,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
-                         rounds=args.rounds, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast)
+                         rounds=args.rounds, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
+                         profile_tokens=args.profile_tokens)
     shape = (f"model {config.model} (random weights)" if config.model else
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU: compute in fp32 instead of bf16 autocast over fp32 weights")
     bench.add_argument("--risk-budget", type=_number(0.0, inclusive=True), default=0.01,
                        help="HiLoRe's risk budget, a finite number >= 0 (default 0.01)")
+    bench.add_argument("--profile-tokens", type=_non_negative_int, default=2048,
+                       help="the planners' probe bound in tokens, as hilore.profile_tokens (also at most 1/8 of "
+                            "the step's tokens; 0: only that; default 2048)")
     bench.add_argument("--no-sweep", action="store_true", help="skip the planners' budget sweep")
     bench.add_argument("--no-peaks", action="store_true", help="skip the per-method peak-memory processes")
     bench.add_argument("--json", metavar="PATH", type=_output_path, help="write the report as JSON")
@@ -201,6 +205,16 @@ def _seed(value: str) -> int:
         n = -1
     if not 0 <= n < 2**63:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value!r}")
+    return n
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
     return n
 
 

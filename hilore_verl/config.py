@@ -45,6 +45,10 @@ class HiLoReConfig:
     """Measured / predicted gradient error above this is an anomaly: the risk budget halves."""
     token_bucket: int = 256
     """Plans are cached per bucket of tokens per micro-batch."""
+    profile_tokens: int = 2048
+    """Token bound of the first step's probe (whole sequences of a micro-batch, at least one), which
+    profiling and calibration run on; the figures scale by tokens. The probe also takes at most 1/8 of
+    the rank's tokens in that step (0 here: only that bound)."""
     seed: int = 0
     """Seed of stochastic rounding."""
     oom_retries: int = 1
@@ -85,6 +89,7 @@ class HiLoReConfig:
         _check_int("min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
         _check_int("audit_every", self.audit_every, ">= 0", lambda v: v >= 0)
         _check_int("token_bucket", self.token_bucket, ">= 1", lambda v: v >= 1)
+        _check_int("profile_tokens", self.profile_tokens, ">= 0", lambda v: v >= 0)
         _check_int("seed", self.seed, "any integer", lambda v: True)
         _check_int("oom_retries", self.oom_retries, "in 0..10", lambda v: 0 <= v <= 10)
         _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)

@@ -171,3 +171,19 @@ def test_a_workload_unlike_a_gpu_job_is_refused_naming_the_flag():
                         max_response_len=16, rounds=1)  # a small batch on a large vocabulary: static dominates
     with pytest.raises(WorkloadRefused, match=r"static memory .* of GC's peak .*\(--groups, --group-size"):
         run_bench(heavy, methods=("no_gc", "gc"), sweep=False, peaks=True)
+
+
+def test_hilores_first_step_fits_where_gc_fits_and_takes_at_most_three_gc_steps(tmp_path):
+    """The first step (profiling, calibration on a token-bounded probe, one update) of the default
+    workload, in a fresh process: its physical peak <= 1.10x GC's (GC's measured in another fresh
+    process, both over a base that holds the codec's compiled code) and its time <= 3x a GC step
+    timed in the same process."""
+    from hilore_verl.bench.run import _peak
+    from hilore_verl.bench.workload import BenchConfig
+
+    config = BenchConfig()
+    first = _peak("hilore", config, None, str(tmp_path), first_step=True)
+    gc = _peak("gc", config, None, str(tmp_path))
+    assert "peak_error" not in first and "peak_error" not in gc, (first, gc)
+    assert first["peak_bytes"] <= 1.10 * gc["peak_bytes"], (first, gc)
+    assert first["seconds"] <= 3 * first["gc_step_s"], first

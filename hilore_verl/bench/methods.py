@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 import hilore_verl
-from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, static_bytes,
-                                        tokens_of)
+from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, probe_batch,
+                                        static_bytes, tokens_of)
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller, profile
+from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.risk import RiskModel, calibrate_by_kind
 
 METHODS = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
@@ -144,30 +145,42 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
 
 
 def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float, costs=None) -> None:
+    """Profile and calibrate as the engine's first step does: on whole sequences of the batch, at most
+    `probe_token_bound` tokens (calibration: the most exposed of them)."""
     runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=16384))
     method.runtime = runtime
-    tokens = tokens_of(batch)
     head = lambda fn, *args: runtime.call("head", fn, *args)  # noqa: E731
+    bound = probe_token_bound(method.config.profile_tokens, tokens_of(batch))
+    lengths = batch["seq_lens"].tolist()
 
-    def run(c=method.c):
+    def run(probe):
         method.optimizer.zero_grad(set_to_none=True)
         with forward_context(method.config):
-            loss = loss_of(method.model, batch, c, head)
+            loss = loss_of(method.model, probe, probe["coef"], head)
         loss.backward()
 
     if costs is None:
-        costs = profile(runtime, run, tokens, element_size=next(method.model.parameters()).element_size())
+        index = probe_indices(lengths, bound)
+        probe, half = probe_batch(batch, index), half_probe(lengths, index)
+        small = probe_batch(batch, half) if half else None
+        autocast = method.config.autocast and next(method.model.parameters()).device.type == "cpu"
+        costs = profile(runtime, lambda: run(probe), tokens_of(probe),  # activations: bf16 under autocast
+                        element_size=2 if autocast else next(method.model.parameters()).element_size(),
+                        small=(lambda: run(small), tokens_of(small)) if small else None)
     if not risk_budget:  # keep / recompute only
         costs = dataclasses.replace(costs, formats=())
     risk = None
     if risk_budget > 0:
+        exposed = torch.zeros(len(lengths)).index_add_(0, batch["target_seq"].cpu(), batch["coef"].cpu().double().pow(2).float())
+        probe = probe_batch(batch, probe_indices(lengths, bound, exposed.tolist()))
+
         def grad_fn(plan):
             runtime.set_plan(plan)
-            run()
+            run(probe)
             return torch.cat([p.grad.flatten() for p in method.model.parameters() if p.grad is not None])
 
-        risk = calibrate_by_kind(grad_fn, [u.name for u in runtime.units], method.exposure_l2, fmts=("int8",),
-                         model=RiskModel())
+        risk = calibrate_by_kind(grad_fn, [u.name for u in runtime.units], float(probe["coef"].pow(2).sum().sqrt()),
+                                 fmts=("int8",), model=RiskModel())
     method.optimizer.zero_grad(set_to_none=True)
     # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
     method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model),

@@ -1,17 +1,21 @@
-"""Physical peak memory of one actor update of one method, in this fresh process (`python -m hilore_verl.bench.peak`).
+"""Physical peak memory of one actor update of one method, in this fresh process (`python -m hilore_verl.bench.peak METHOD CONFIG_JSON [STATE | --first-step]`).
 
 Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
 so freed memory leaves the process; after a warm-up step the kernel's high-water mark is reset
 (`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read. Reported over the process's
-resident size before the model was built (Python, torch and the libraries), so ratios compare
-what the methods themselves take. Planners load the parent's cost table and risk model (no
-second profiling run).
+resident size before the model was built (Python, torch, the libraries and the codec's compiled
+code, loaded first in every method's process), so ratios compare what the methods themselves take. Planners load the parent's cost table and risk model (no
+second profiling run); with `--first-step` a planner is built from scratch instead and the peak and
+time of its first step (profiling, calibration and one update) are measured.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+
+FIRST_STEP = "--first-step"
 
 
 def _status_kib(field: str) -> int:
@@ -25,14 +29,30 @@ def _status_kib(field: str) -> int:
 def measure(method: str, config_json: str, state_path: str | None) -> dict:
     import torch
 
+    from hilore_verl import kernels
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.workload import BenchConfig, make_batch
+    from hilore_verl.planner import BudgetConfig
 
     config = BenchConfig(**{k: v for k, v in json.loads(config_json).items()
                             if k not in ("intermediate_size", "num_heads", "num_kv_heads")})
     batch = make_batch(config)
     cuda = torch.cuda.is_available()  # CUDA: the allocator's own peak (max_memory_allocated), not RSS
+    code = _status_kib("VmRSS")
+    kernels.warm_up("cuda" if cuda else "cpu")  # the codec's compiled code: part of every method's base
+    code = _status_kib("VmRSS") - code
     base = torch.cuda.memory_allocated() // 1024 if cuda else _status_kib("VmRSS")
+    if state_path == FIRST_STEP:  # a planner's first step: profiling and calibration, then one step
+        start = time.perf_counter()
+        built = M.build(method, config, batch, BudgetConfig("gc_ratio", 1.10))
+        built.step(batch)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() // 1024 if cuda else _status_kib("VmHWM")
+        del built
+        gc = M.build("gc", config, batch)  # a GC step timed in the same process and environment
+        gc.step(batch)
+        return {"base_kib": base, "codec_code_kib": code, "peak_kib": peak, "first_step_s": seconds,
+                "gc_step_s": gc.step(batch)}
     if method in M.PLANNERS:
         state = torch.load(state_path, weights_only=False)
         built = M.build_from_state(method, config, batch, state)
@@ -54,7 +74,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     if built.runtime is not None:
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes
-    return {"base_kib": base, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}
+    return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ class BenchConfig:
     """Pack the sequences into one row (no padding), as verl's use_remove_padding; False: left-right padded."""
     autocast: bool = True
     """CPU: bf16 autocast over fp32 weights (False: fp32 throughout). CUDA runs bf16 weights either way."""
+    profile_tokens: int = 2048
+    """The planners' probe bound, as hilore.profile_tokens (and at most 1/8 of the step's tokens)."""
 
     @property
     def intermediate_size(self) -> int:
@@ -120,8 +122,8 @@ def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
     rows, cols = resp.nonzero(as_tuple=True)
     source = rows * S + (S - R - 1) + cols
     c = -padded["advantages"] / resp.sum()  # c_t = dL/dlog p_t of the token-mean loss
-    batch = {"targets": padded["responses"][rows, cols], "coef": c[rows, cols].float(),
-             "tokens": mask.sum(), "positions": torch.tensor(mask.numel())}
+    batch = {"targets": padded["responses"][rows, cols], "coef": c[rows, cols].float(), "target_seq": rows,
+             "seq_lens": mask.sum(-1), "tokens": mask.sum(), "positions": torch.tensor(mask.numel())}
     if config.pack:  # valid tokens in one row; a packed position's index is its rank among the valid ones
         rank = torch.full((B * S,), -1, dtype=torch.long)
         rank[mask.view(-1)] = torch.arange(int(mask.sum()))
@@ -131,6 +133,28 @@ def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
         batch.update(input_ids=padded["input_ids"], position_ids=padded["position_ids"],
                      attention_mask=padded["attention_mask"], logit_index=source)
     return {k: v.to(device()) for k, v in batch.items()}
+
+
+def probe_batch(batch: dict[str, torch.Tensor], index: list[int]) -> dict[str, torch.Tensor]:
+    """The batch restricted to sequences `index` (ascending), packed or padded as it was."""
+    idx = torch.as_tensor(index, device=batch["seq_lens"].device)
+    keep = torch.isin(batch["target_seq"], idx)  # response tokens of the chosen sequences
+    new_seq = torch.full((len(batch["seq_lens"]),), -1, dtype=torch.long, device=idx.device)
+    new_seq[idx] = torch.arange(len(idx), device=idx.device)
+    out = {"targets": batch["targets"][keep], "coef": batch["coef"][keep], "target_seq": new_seq[batch["target_seq"][keep]],
+           "seq_lens": batch["seq_lens"][idx], "tokens": batch["seq_lens"][idx].sum()}
+    if "attention_mask" in batch:  # padded rows: logit index = row * S + column
+        S = batch["input_ids"].shape[1]
+        out.update({k: batch[k][idx] for k in ("input_ids", "position_ids", "attention_mask")})
+        li = batch["logit_index"][keep]
+        out.update(logit_index=new_seq[li // S] * S + li % S, positions=torch.tensor(len(idx) * S))
+    else:  # one packed row, sequences in order: keep their tokens, re-rank the logit indices
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch["seq_lens"]), device=idx.device), batch["seq_lens"])
+        tok = torch.isin(seq_of_token, idx)
+        rank = torch.cumsum(tok, 0) - 1
+        out.update(input_ids=batch["input_ids"][:, tok], position_ids=batch["position_ids"][:, tok],
+                   logit_index=rank[batch["logit_index"][keep]], positions=out["tokens"])
+    return out
 
 
 def tokens_of(batch: dict[str, torch.Tensor]) -> int:

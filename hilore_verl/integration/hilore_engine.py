@@ -4,8 +4,8 @@ Registered in verl's EngineRegistry under the backend `BACKEND` (see actor_confi
 recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
     gradient checkpointing on the managed layers, and says so);
-  - `train_batch`: on the first call, profile the cost table and calibrate the risk model on one
-    probe micro-batch (identical on every rank: numbers are averaged over the data-parallel
+  - `train_batch`: on the first call, profile the cost table and calibrate the risk model on a
+    probe of whole sequences, at most `profile_tokens` tokens (identical on every rank: numbers are averaged over the data-parallel
     group); then, once per mini-batch, hand the controller the predicted exposure of every
     micro-batch, audit every `audit_every` steps, run verl's own train_batch (retrying with every
     unit recomputed after an out-of-memory error) and add `hilore/*` metrics;
@@ -35,6 +35,7 @@ from hilore_verl.integration.recovery import (StepFailed, StepSnapshot, StepStar
                                               reset_after_failure)
 from hilore_verl.planner import Controller, profile
 from hilore_verl.planner.costs import measured_values, set_measured_values
+from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_kind
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
@@ -49,6 +50,16 @@ logger = logging.getLogger("hilore_verl")
 def _padded(data, key):
     value = data[key]
     return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
+
+
+def _sequence_lengths(data) -> list[int]:
+    """Tokens per sequence of a micro-batch (nested: its offsets; padded: its attention mask)."""
+    ids = data["input_ids"]
+    if ids.is_nested:
+        return ids.offsets().diff().tolist()
+    if "attention_mask" in data:
+        return data["attention_mask"].sum(-1).tolist()
+    return [ids.shape[-1]] * ids.shape[0]
 
 
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
@@ -149,21 +160,29 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                                     Controller.risk_from_state(state))
             self.controller.load_state_dict(state)
             return
-        probe = micro_batches[0]
-        tokens = int(probe["input_ids"].values().numel())
+        bound = probe_token_bound(self.hilore.profile_tokens, sum(sum(_sequence_lengths(mb)) for mb in micro_batches))
+        probe = self._probe(micro_batches[0], bound)  # whole sequences, at most `bound` tokens
+        lengths = _sequence_lengths(probe)
+        half = half_probe(lengths, list(range(len(lengths))))
+        every = torch.tensor([float(half is not None)])  # ranks run the same probe passes (FSDP collectives)
+        if dist.is_initialized():
+            dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.get_data_parallel_group())
+        small = tu.index_select_tensor_dict(probe, half) if half is not None and every.item() else None
 
-        def run(plan=None):
-            self._run(plan, probe, loss_function)
+        def run(batch):
+            return lambda: self._run(None, batch, loss_function)
 
         element = next(self.module.parameters()).element_size() if self._autocast_dtype == torch.float32 else 2
-        costs = profile(self.runtime, run, tokens, element_size=element, formats=self.hilore.formats,
-                        offload=self.hilore.offload, group_size=self.hilore.group_size)
+        costs = profile(self.runtime, run(probe), sum(lengths), element_size=element, formats=self.hilore.formats,
+                        offload=self.hilore.offload, group_size=self.hilore.group_size,
+                        small=None if small is None else (run(small), sum(_sequence_lengths(small))))
         risk = None
         if self.hilore.risk_budget > 0 and self.actor_config is not None:
             # calibrate on the local micro-batch with the most exposure
             exposures = [self._coefficients(mb) for mb in micro_batches]
             best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
-            batch, c = micro_batches[best], exposures[best]
+            batch = self._probe(micro_batches[best], bound, priority=exposures[best].pow(2).sum(-1).tolist())
+            c = self._coefficients(batch)  # the most exposed sequences that fit the bound
             risk = calibrate_by_kind(lambda plan: self._surrogate_gradient(plan, batch, c),
                              [u.name for u in self.runtime.units], float(c.pow(2).sum().sqrt()),
                              fmts=self.hilore.formats[:1], group_size=self.hilore.group_size, model=RiskModel())
@@ -171,8 +190,18 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.optimizer.zero_grad()
         self.runtime.set_plan({})
         self.controller = self._make_controller(costs, risk)
-        logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB) with %d units",
-                       self.controller.memory_budget / 2**30, self.controller.gc_peak / 2**30, len(costs.units))
+        largest = max(sum(_sequence_lengths(mb)) for mb in micro_batches)
+        gc_peak = self.controller.predicted_peak({u.name: "recompute" for u in costs.units}, largest)
+        logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB at %d tokens per "
+                       "micro-batch) with %d units, profiled on %d tokens", self.controller.memory_budget_at(largest)
+                       / 2**30, gc_peak / 2**30, largest, len(costs.units), costs.tokens)
+
+    @staticmethod
+    def _probe(micro_batch, bound: int, priority=None):
+        """Whole sequences of `micro_batch` up to `bound` tokens (planner/probe.py)."""
+        lengths = _sequence_lengths(micro_batch)
+        index = probe_indices(lengths, bound, priority)
+        return micro_batch if len(index) == len(lengths) else tu.index_select_tensor_dict(micro_batch, index)
 
     def _average_over_ranks(self, costs, risk) -> None:
         """Every rank must plan from the same numbers: average the measured ones (a fixed-length

@@ -85,9 +85,8 @@ class Controller:
         return self.memory_budget
 
     def activation_budget(self, tokens: int) -> float:
-        k = self.costs.scale(tokens)
         free = (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
-                - self.costs.unmanaged_bytes * k - self.costs.transient(tokens))
+                - self.costs.unmanaged(tokens) - self.costs.transient(tokens))
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
@@ -167,7 +166,7 @@ class Controller:
         k = self.costs.scale(tokens)
         if self.costs.region_saving_bytes and self.runtime is not None:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
-        return held + self.costs.unmanaged_bytes * k
+        return held + self.costs.unmanaged(tokens)
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
         risk = None
@@ -221,9 +220,11 @@ class Controller:
                                                             exposure_l2_exact)
 
     def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
-        """If the measured peak went over the budget, plan tighter from now on."""
-        if measured_peak_bytes is not None and measured_peak_bytes > self.memory_budget * self.memory_factor:
-            self.memory_factor *= 0.95 * self.memory_budget * self.memory_factor / measured_peak_bytes
+        """If the measured peak went over the budget, plan tighter from now on. (A gc_ratio budget is
+        the one of the mini-batch's largest micro-batch: it follows the token count.)"""
+        budget = max((self.memory_budget_at(t) for _, t in self._micro), default=self.memory_budget)
+        if measured_peak_bytes is not None and measured_peak_bytes > budget * self.memory_factor:
+            self.memory_factor *= 0.95 * budget * self.memory_factor / measured_peak_bytes
 
     def audit_due(self, step: int) -> bool:
         """Whether the integration should compute an exact gradient next to this step's approximate one."""

@@ -2,8 +2,10 @@
 
 Measured by `profile` on a probe micro-batch (what each unit's saved tensors take, what a
 recomputed unit must still hold, each unit's forward time, codec and host-copy throughput), then
-scaled linearly by token count. Per unit u with saved bytes S_u, held-for-recompute bytes H_u
-and forward time F_u (at the probe's token count, times tokens / probe tokens):
+scaled by token count: with k = tokens / probe tokens, a figure f measured on the probe becomes
+f ((1 - q) k + q k^2), where q is the share of it found to grow with tokens squared by a second,
+smaller probe (a dense attention mask over a packed row, attention's time; 0 on varlen attention).
+Per unit u with saved bytes S_u, held-for-recompute bytes H_u (linear) and forward time F_u, so scaled:
 
     keep        memory S_u               time 0
     recompute   memory H_u               time F_u                       transient S_u in its backward
@@ -33,6 +35,8 @@ class UnitProfile:
     held_bytes: float  # what the unit holds when recomputed and its neighbours kept (inputs, replayed outputs)
     forward_s: float  # the unit's own forward time (children of other units excluded)
     compressible: float = 1.0  # share of saved bytes a codec can take (the rest, e.g. -inf masks, stays exact)
+    saved_quadratic: float = 0.0  # share of saved_bytes that grows with tokens squared (a dense mask over a packed row)
+    forward_quadratic: float = 0.0  # the same for forward_s (attention over a packed row)
 
 
 @dataclass
@@ -50,14 +54,25 @@ class CostTable:
     """Per decoder layer re-run as one region (all its outermost units recomputed): bytes held below the
     sum of its units' recompute figures (the residual stream inside the layer is regenerated, and the
     inner calls hold no inputs of their own)."""
+    unmanaged_quadratic: float = 0.0
+    """Share of unmanaged_bytes that grows with tokens squared."""
 
     def scale(self, tokens: int) -> float:
         return tokens / self.tokens
 
+    def grow(self, value: float, quadratic: float, tokens: int) -> float:
+        """A figure measured at the probe's tokens, at `tokens`: its quadratic share grows with k^2."""
+        k = tokens / self.tokens
+        return value * ((1 - quadratic) * k + quadratic * k * k)
+
+    def unmanaged(self, tokens: int) -> float:
+        return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens)
+
     def options(self, unit: UnitProfile, tokens: int, risk: Callable[[str, str], float] | None = None) -> list[Option]:
         """keep, recompute, then each format (and its offloaded variant when enabled)."""
-        k = self.scale(tokens)
-        S, H, F = unit.saved_bytes * k, unit.held_bytes * k, unit.forward_s * k
+        S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
+        H = unit.held_bytes * self.scale(tokens)  # inputs and outputs held: one row per token
+        F = self.grow(unit.forward_s, unit.forward_quadratic, tokens)
         opts = [Option("keep", S, 0.0), Option("recompute", H, F)]
         if S > 0:
             for fmt in self.formats:
@@ -72,7 +87,7 @@ class CostTable:
 
     def transient(self, tokens: int) -> float:
         """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""
-        return max((u.saved_bytes for u in self.units), default=0.0) * self.scale(tokens)
+        return max((self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units), default=0.0)
 
 
 def _float_fields(obj) -> list[str]:
@@ -135,19 +150,35 @@ def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats
     return nbytes / max(clock.time(fn, repeats), 1e-12)
 
 
-def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2, **kwargs) -> CostTable:
+def quadratic_share(small: float, large: float, r: float) -> float:
+    """Share q of a figure at the larger probe that grows with tokens squared, from the figure at both
+    probes (`r` = small tokens / large tokens): small / large = (1 - q) r + q r^2, q clipped to [0, 1]
+    (a fixed part, e.g. per-call overhead, reads as q < 0 and is priced linearly)."""
+    if large <= 0 or not 0 < r < 1:
+        return 0.0
+    return min(max((r - small / large) / (r - r * r), 0.0), 1.0)
+
+
+def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
+            small: tuple[Callable[[], None], int] | None = None, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
+    `small`: (run, tokens) of a probe of about half the tokens, on which the kept-layer and GC probes
+    run again to find what grows faster than linearly (attention over a packed row: its dense mask and
+    its time); without it every figure scales linearly.
 
     Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
     as HF checkpointing keeps it) except in one probed layer (the middle one), so a probe holds at
     most GC's peak plus one layer's activations. The probed layer's figures stand for every layer
-    of the same unit kind (decoder layers share their shapes); forward times are every unit's own.
+    of the same unit kind (decoder layers share their shapes). Every probe times every unit's own
+    forward (CUDA events: no synchronization per call); a unit's time is its fastest.
 
         1. GC's plan                                what a layer recomputed as one region holds
-        2. the probed layer kept                    saved bytes per kind; every unit's forward time
+        2. the probed layer kept                    saved bytes per kind
         3. the probed layer and the head int8       the compressible share per kind
         4. per kind: recomputed in the probed layer, the rest of it kept (the head recomputed
            in the first)                            what a recomputed unit still holds
+        5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
+                                                    times and unmanaged bytes
     """
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
@@ -157,17 +188,24 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     heads = [u for u in runtime.units if u.layer_index is None]
     gc_plan = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
 
-    def probe(extra: dict) -> "RuntimeStats":
+    # every probe times each unit's forward; a unit's time is its fastest (the least disturbed)
+    times: dict[str, float] = {u.name: math.inf for u in runtime.units}
+    small_times = dict(times)
+
+    def probe(extra: dict, small_probe: bool = False) -> "RuntimeStats":
         runtime.set_plan({**gc_plan, **extra})
-        run()
+        timed = _unit_times(runtime, small[0] if small_probe else run, clock)
+        best = small_times if small_probe else times
+        best.update({n: min(best[n], t) for n, t in timed.items()})
         return runtime.stats()
 
     held: dict[str, float] = {}
+    kept = {u.name: "keep" for u in probed}
     try:
         whole = probe({})
-        runtime.set_plan({**gc_plan, **{u.name: "keep" for u in probed}})
-        times = _unit_times(runtime, run, clock)
-        keep = runtime.stats()
+        keep = probe(kept)
+        if small is not None:
+            small_whole, small_keep = probe({}, small_probe=True), probe(kept, small_probe=True)
         int8 = probe({u.name: "int8" for u in probed + heads})
         for i, u in enumerate(probed or heads):
             extra = {**{v.name: "keep" for v in probed}, u.name: "recompute"}
@@ -186,8 +224,18 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                          figures[unit_kind(u.name)][1]) for u in runtime.units]
     # totals held at the end of the forward: every layer kept = GC's plan + one probed layer's difference per layer
     total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes  # noqa: E731
-    keep_all = total(whole) + len(layers) * (total(keep) - total(whole))
-    unmanaged = max(keep_all - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, small tensors
+    keep_all = lambda w, k: total(w) + len(layers) * (total(k) - total(w))  # noqa: E731
+    unmanaged = max(keep_all(whole, keep) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks
+    unmanaged_q = 0.0
+    if small is not None:  # how each figure grew from the small probe to this one
+        r = small[1] / tokens
+        saved_small = {unit_kind(u.name): small_keep.units[u.name].saved_bytes for u in probed + heads}
+        for u in units:
+            u.saved_quadratic = quadratic_share(saved_small[unit_kind(u.name)], u.saved_bytes, r)
+            u.forward_quadratic = quadratic_share(small_times[u.name], u.forward_s, r)
+        unmanaged_small = max(keep_all(small_whole, small_keep)
+                              - sum(saved_small[unit_kind(u.name)] for u in runtime.units), 0.0)
+        unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
     saving = 0.0
     if layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         summed = sum(u.held_bytes if u.name in gc_plan else u.saved_bytes for u in units) + unmanaged
@@ -197,4 +245,5 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     nbytes = sample.numel() * sample.element_size()
     codec = _throughput(clock, lambda: quantize(sample, "int8", 64).dequantize(), 2 * nbytes)
     host = _throughput(clock, lambda: sample.to("cpu", copy=True), nbytes)
-    return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving, **kwargs)
+    return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
+                     unmanaged_quadratic=unmanaged_q, **kwargs)

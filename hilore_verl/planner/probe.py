@@ -1,0 +1,57 @@
+"""Which sequences the first step probes: whole sequences up to a token bound.
+
+Profiling and calibration run about sixteen forward + backward passes of one probe micro-batch
+before any plan exists. On all of a large micro-batch's tokens those passes would take many
+steps, and a probe that keeps one layer's activations would go past GC's peak on exactly the
+jobs that need GC. So the probe is a few whole sequences of a micro-batch (always at least one), at most
+`probe_token_bound` tokens: the configured bound (hilore.profile_tokens) and 1/8 of the tokens a
+rank trains on in the step, so the ~16 probe passes cost about two steps' work; the cost table scales its figures linearly by tokens
+(`CostTable.scale`), and the risk model is calibrated against the probe's own exposure.
+
+    lengths  = [180, 75, 240, 96]          # tokens per sequence
+    priority = [0.0, 2.1, 0.4, 1.7]        # e.g. each sequence's exposure (calibration)
+    probe_indices(lengths, 300, priority)  # -> [1, 3]: the most exposed that fit, in their order
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+STEP_SHARE = 8  # the probe takes at most 1 / STEP_SHARE of a step's tokens
+
+
+def probe_token_bound(profile_tokens: int, step_tokens: int) -> int:
+    """Tokens the probe may take: `profile_tokens` (0: no fixed bound) and step_tokens / STEP_SHARE."""
+    share = max(int(step_tokens) // STEP_SHARE, 1)
+    return min(profile_tokens, share) if profile_tokens > 0 else share
+
+
+def probe_indices(lengths: Sequence[int], max_tokens: int, priority: Sequence[float] | None = None) -> list[int]:
+    """Indices (ascending) of whole sequences with at most `max_tokens` tokens in all: taken in order
+    of `priority` (highest first; default: as they come), skipping any that would not fit, and at
+    least the first of that order. `max_tokens` 0: every sequence."""
+    if len(lengths) == 0:
+        raise ValueError("probe_indices: no sequences")
+    if max_tokens < 0:
+        raise ValueError(f"probe_indices: max_tokens must be >= 0, got {max_tokens}")
+    if max_tokens == 0:
+        return list(range(len(lengths)))
+    order = list(range(len(lengths)))
+    if priority is not None:
+        if len(priority) != len(lengths):
+            raise ValueError(f"probe_indices: {len(priority)} priorities for {len(lengths)} sequences")
+        order.sort(key=lambda i: -float(priority[i]))  # stable: equal priorities keep their order
+    chosen, total = [], 0
+    for i in order:
+        if not chosen or total + int(lengths[i]) <= max_tokens:
+            chosen.append(i)
+            total += int(lengths[i])
+    return sorted(chosen)
+
+
+def half_probe(lengths: Sequence[int], index: Sequence[int]) -> list[int] | None:
+    """Of the probe's sequences `index`, the first ones with at most half its tokens (the profile's
+    second, smaller probe, see costs.profile); None when that leaves nothing smaller (one sequence)."""
+    tokens = sum(int(lengths[i]) for i in index)
+    sub = [index[j] for j in probe_indices([lengths[i] for i in index], tokens // 2)]
+    return sub if sum(int(lengths[i]) for i in sub) < tokens else None

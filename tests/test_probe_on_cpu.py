@@ -1,0 +1,139 @@
+"""The first step's probe: whole sequences under a token bound, a half-size second probe, and figures
+that scale by tokens with a measured quadratic share (a dense mask over a packed row)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import hilore_verl
+from hilore_verl.bench.workload import BenchConfig, build_model, forward_context, loss_of, make_batch, probe_batch
+from hilore_verl.planner import CostTable, UnitProfile, profile
+from hilore_verl.planner.costs import quadratic_share
+from hilore_verl.planner.probe import STEP_SHARE, half_probe, probe_indices, probe_token_bound
+from hilore_verl.runtime.saving import is_parameter_like
+
+
+def test_probe_indices_take_whole_sequences_under_the_bound():
+    lengths = [180, 75, 240, 96]
+    assert probe_indices(lengths, 300) == [0, 1]  # 180 + 75; 240 would pass the bound; 96 does not fit after it
+    assert probe_indices(lengths, 100) == [0]  # at least one sequence, even past the bound
+    assert probe_indices(lengths, 0) == [0, 1, 2, 3]  # 0: every sequence
+    assert probe_indices(lengths, 300, priority=[0.0, 2.1, 0.4, 1.7]) == [1, 3]  # most exposed that fit, in order
+    assert probe_indices(lengths, 10, priority=[0.0, 2.1, 0.4, 1.7]) == [1]
+    with pytest.raises(ValueError, match="priorities"):
+        probe_indices(lengths, 300, priority=[1.0])
+    with pytest.raises(ValueError, match="max_tokens"):
+        probe_indices(lengths, -1)
+
+
+def test_the_bound_is_the_setting_and_a_share_of_the_step():
+    assert probe_token_bound(2048, 100_000) == 2048
+    assert probe_token_bound(2048, 4000) == 4000 // STEP_SHARE
+    assert probe_token_bound(0, 4000) == 4000 // STEP_SHARE
+    assert probe_token_bound(2048, 3) == 1
+
+
+def test_half_probe():
+    lengths = [100, 50, 60, 40, 300]
+    assert half_probe(lengths, [0, 1, 2, 3]) == [0]  # 250 tokens -> at most 125
+    assert half_probe(lengths, [4]) is None  # one sequence: nothing smaller
+
+
+@pytest.mark.parametrize("a, b", [(1000.0, 0.0), (1000.0, 3.0), (0.0, 5.0), (250.0, 0.5)])
+def test_quadratic_share_recovers_a_figure_that_grows_with_tokens_squared(a, b):
+    f = lambda t: a * t + b * t * t  # noqa: E731
+    t1, t2 = 240, 512
+    q = quadratic_share(f(t1), f(t2), t1 / t2)
+    table = CostTable([UnitProfile("u", f(t2), 0.0, 0.0, saved_quadratic=q)], tokens=t2, unmanaged_bytes=0.0)
+    for t in (100, 512, 4096, 20000):
+        assert table.grow(f(t2), q, t) == pytest.approx(f(t), rel=1e-9)
+
+
+def test_quadratic_share_clips_what_is_not_growth():
+    assert quadratic_share(60.0, 100.0, 0.5) == 0.0  # a fixed part (per-call overhead): priced linearly
+    assert quadratic_share(10.0, 100.0, 0.5) == 1.0
+    assert quadratic_share(5.0, 0.0, 0.5) == 0.0
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_probe_batch_gives_its_sequences_the_same_log_probs(pack):
+    config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
+                         max_response_len=48, autocast=False, pack=pack)
+    batch, model = make_batch(config), build_model(config)
+    index = [1, 2, 5]
+    probe = probe_batch(batch, index)
+    assert int(probe["tokens"]) == int(batch["seq_lens"][index].sum())
+    captured = []
+    head = lambda fn, *args: captured.append(fn(*args)) or captured[-1]  # noqa: E731
+    with torch.no_grad():
+        loss_of(model, batch, batch["coef"], head)
+        loss_of(model, probe, probe["coef"], head)
+    full, part = captured
+    chosen = torch.isin(batch["target_seq"], torch.tensor(index))
+    assert part.shape == full[chosen].shape and torch.equal(probe["targets"], batch["targets"][chosen])
+    assert torch.allclose(part, full[chosen], rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_weight_casts_are_parameters_not_activations():
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(16, 32, requires_grad=True)
+    cast = w.to(torch.bfloat16)
+    assert is_parameter_like(cast) and is_parameter_like(cast.t()) and is_parameter_like(w.t())
+    h = x * 2  # an activation
+    assert not is_parameter_like(h.t()) and not is_parameter_like(h.to(torch.bfloat16).t())
+
+
+def test_a_linear_under_autocast_saves_no_weight_cast_as_its_own():
+    config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
+                         max_response_len=48)
+    batch, model = make_batch(config), build_model(config)
+    rt = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
+    rt.set_plan({u.name: "keep" for u in rt.units})
+    per_token = []
+    for index in ([0, 1], [0, 1, 2, 3, 4, 5]):
+        probe = probe_batch(batch, index)
+        with forward_context(config):
+            loss = loss_of(model, probe, probe["coef"], lambda fn, *a: rt.call("head", fn, *a))
+        stats = rt.stats()
+        per_token.append(stats.units["layers.0.mlp.proj"].saved_bytes / int(probe["tokens"]))
+        loss.backward()
+    # bf16, by producer: gate and up inputs (hidden each), the gate output the activation saves and the
+    # down input (intermediate each): 2 bytes x (2 hidden + 2 intermediate) per token, nothing fixed
+    assert per_token[0] == per_token[1] == 2 * (2 * 128 + 2 * config.intermediate_size)
+
+
+def test_a_small_probe_predicts_the_full_batch_figures():
+    """Profiled on an eighth of the batch, with the half-size second probe: per unit kind, the saved
+    bytes predicted at the full batch are within 3% of the full batch's measured ones, the dense
+    attention mask of the packed row included."""
+    config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=4, group_size=8,
+                         max_response_len=96)
+    batch, model = make_batch(config), build_model(config)
+    # min_bytes 0: at this width a per-token tensor of the small probe (a norm's rsqrt: 4 bytes per
+    # token) would fall under the kept-as-is threshold and read as growth
+    rt = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=0))
+    lengths = batch["seq_lens"].tolist()
+    index = probe_indices(lengths, sum(lengths) // 8)
+    probe, small = probe_batch(batch, index), probe_batch(batch, half_probe(lengths, index))
+
+    def run(b):
+        def go():
+            model.zero_grad(set_to_none=True)
+            with forward_context(config):
+                loss = loss_of(model, b, b["coef"], lambda fn, *a: rt.call("head", fn, *a))
+            loss.backward()
+        return go
+
+    costs = profile(rt, run(probe), int(probe["tokens"]), element_size=2, small=(run(small), int(small["tokens"])))
+    rt.set_plan({u.name: "keep" for u in rt.units})
+    run(batch)()
+    measured = rt.stats()
+    tokens = int(batch["tokens"])
+    core = next(u for u in costs.units if u.name == "layers.1.attn.core")
+    assert core.saved_quadratic > 0.05  # the packed row's mask
+    for u in costs.units:
+        if u.name.startswith("layers.1."):
+            predicted = costs.grow(u.saved_bytes, u.saved_quadratic, tokens)
+            assert predicted == pytest.approx(measured.units[u.name].saved_bytes, rel=0.03), u
+    assert dataclasses.asdict(costs)  # the table stays plain data (state_dict, averaging over ranks)
