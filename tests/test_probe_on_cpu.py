@@ -137,3 +137,33 @@ def test_a_small_probe_predicts_the_full_batch_figures():
             predicted = costs.grow(u.saved_bytes, u.saved_quadratic, tokens)
             assert predicted == pytest.approx(measured.units[u.name].saved_bytes, rel=0.03), u
     assert dataclasses.asdict(costs)  # the table stays plain data (state_dict, averaging over ranks)
+
+
+def test_weight_copies_are_held_for_kept_units_and_made_again_for_recomputed_ones():
+    """Under autocast the bf16 weight copies a kept unit saves are held (counted as unmanaged, never
+    compressed); a recomputed unit's are dropped and made again by its re-run, as checkpoint does;
+    gradients stay bitwise the plain model's either way."""
+    config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
+                         max_response_len=48)
+    batch = make_batch(config)
+    plain = build_model(config)
+    with forward_context(config):
+        loss = loss_of(plain, batch, batch["coef"])
+    loss.backward()
+    exact = [p.grad.clone() for p in plain.parameters()]
+    model = build_model(config)
+    rt = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
+    held = {}
+    for mode in ("keep", "int8", "recompute"):
+        rt.set_plan({u.name: mode for u in rt.units if u.name.startswith("layers.")})
+        model.zero_grad(set_to_none=True)
+        with forward_context(config):
+            loss = loss_of(model, batch, batch["coef"], lambda fn, *a: rt.call("head", fn, *a))
+        held[mode] = rt.stats().unmanaged_bytes
+        loss.backward()
+        if mode != "int8":
+            assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), exact)), mode
+    layer = model.model.layers[0]
+    copies = 2 * sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))  # bf16, per layer
+    assert held["keep"] - held["recompute"] >= config.num_layers * copies
+    assert held["int8"] == held["keep"]  # the copies stay exact and held: a codec never takes a weight

@@ -1,7 +1,8 @@
 """The runtime's saved-tensor hooks: how each tensor autograd saves is held until backward.
 
 Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
-are. Everything else is handled by its producer unit's mode (`Runtime._lookup` finds the
+are, except that a cast of a weight made inside a recomputed call (autocast's bf16 copy) is made
+again by the re-run instead of held. Everything else is handled by its producer unit's mode (`Runtime._lookup` finds the
 producer): KEEP holds the tensor, COMPRESS a quantized payload (non-finite tensors stay exact and
 are counted), RECOMPUTE a `Dropped` handle on the producing call. Unpack: each holder checks the
 tensor was not changed in place since it was saved, then hands it out (decoded or regenerated).
@@ -35,6 +36,11 @@ def is_parameter_like(t: torch.Tensor) -> bool:
     return False
 
 
+def is_leaf_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (static memory), as opposed to a copy made from one."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
 def unpack(x):
     return x if isinstance(x, torch.Tensor) else x.get()
 
@@ -58,9 +64,14 @@ class SavedTensorHooks:
         if t.is_nested:
             return Kept(t)
         parameter = is_parameter_like(t)
+        copy = parameter and not is_leaf_parameter(t)  # e.g. autocast's bf16 copy of a weight
+        if copy and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
+            # made inside a recomputed call: its re-run makes it again (never compressed, though)
+            return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
         if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
-            kept = Kept(t, alias=not parameter)  # a parameter is a leaf: no cycle to break
-            fwd.stats.add_unmanaged(kept.tensor, parameter)  # the stats watch what lives as long as the graph
+            leaf = parameter and not copy
+            kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
+            fwd.stats.add_unmanaged(kept.tensor, leaf)  # the stats watch what lives as long as the graph
             return kept
         entry = self._lookup(t)
         if entry is not None:
