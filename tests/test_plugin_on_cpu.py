@@ -23,7 +23,9 @@ def _report(code=REPORT, env=None):
 
 def test_import_verl_loads_the_plugin_and_selects_the_cpu_platform():
     report = _report()
-    assert report == {"loaded": True, "registered": ["platform:cpu"], "error": None,
+    assert report == {"loaded": True, "error": None,
+                      "registered": ["platform:cpu", "cpu:process-group", "cpu:fsdp-engines",
+                                     "cpu:offload-without-pinning"],
                       "device": "cpu", "platform": "PlatformCPU", "backend": "gloo"}
 
 

@@ -1,0 +1,79 @@
+"""What verl's workers need on a host without an accelerator, applied when verl imports them.
+
+verl 0.9.1 assumes an accelerator in three places that `main_ppo` reaches through Ray:
+
+- the process group: `initialize_global_process_group_ray` joins "cpu:gloo" with
+  "<device>:<backend>", which on the CPU platform reads "cpu:gloo,cpu:gloo" and torch refuses it
+  ("Duplicate device type cpu"); on the CPU the group is "cpu:gloo" alone;
+- the engines: verl registers its FSDP engines for cuda and npu only; they are registered for
+  "cpu" too (what `patches/verl-0.9.1-fsdp-engine-cpu-device.patch` does to verl's file, which stays
+  optional);
+- pinned memory: the FSDP2 engine's CPU offload policy (the ref worker's, forward only) asks for
+  pinned host memory, which needs an accelerator; without one it is not pinned.
+
+Each applies only when verl's device is the CPU (or, for pinning, no accelerator exists): a GPU or
+NPU host runs verl's code unchanged. Installed by `registration.register_all`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+
+import torch
+
+from hilore_verl.integration.after_import import when_imported
+
+FSDP_ENGINES = {"FSDPEngineWithLMHead": "language_model", "FSDPEngineWithValueHead": "value_model"}
+
+
+def _on_cpu() -> bool:
+    from verl.utils.device import get_device_name
+
+    return get_device_name() == "cpu"
+
+
+def _gloo_on_cpu(module) -> None:
+    ray_init = module.initialize_global_process_group_ray
+
+    @functools.wraps(ray_init)
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        if backend is None and _on_cpu():
+            backend = "cpu:gloo"
+        return ray_init(timeout_second=timeout_second, backend=backend)
+
+    init = module.initialize_global_process_group
+
+    @functools.wraps(init)
+    def initialize_global_process_group(timeout_second=36000):
+        if not _on_cpu():
+            return init(timeout_second=timeout_second)
+        torch.distributed.init_process_group(backend="cpu:gloo", timeout=timedelta(seconds=timeout_second),
+                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    module.initialize_global_process_group = initialize_global_process_group
+
+
+def _fsdp_on_cpu(module) -> None:
+    from verl.workers.engine.base import EngineRegistry
+
+    for name, model_type in FSDP_ENGINES.items():
+        backends = EngineRegistry._engines.setdefault(model_type, {})
+        for backend in ("fsdp", "fsdp2"):
+            backends.setdefault(backend, {}).setdefault("cpu", getattr(module, name))  # the patch may have done it
+    policy = module.CPUOffloadPolicy
+
+    @functools.wraps(policy, updated=())
+    def cpu_offload_policy(*args, pin_memory: bool = True, **kwargs):
+        return policy(*args, pin_memory=pin_memory and torch.accelerator.is_available(), **kwargs)
+
+    module.CPUOffloadPolicy = cpu_offload_policy
+
+
+def install() -> list[str]:
+    when_imported("verl.utils.distributed", _gloo_on_cpu)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", _fsdp_on_cpu)
+    return ["cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning"]
