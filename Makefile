@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PIP) install --quiet -c $(CONSTRAINTS) "$$(grep -E '^torch==' $(CONSTRAINTS))"
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[test]"
+	# the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, tokenizer, data; written here, no download)
+	$(VENV)/bin/hilore-verl tiny-task --out .tiny_cpu
 	touch $@
 
 install: $(VENV)/.installed

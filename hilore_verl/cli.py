@@ -124,6 +124,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _tiny_task(args) -> int:
+    from hilore_verl.tiny_task import make_tiny_task
+
+    root = make_tiny_task(args.out)
+    print(f"hilore-verl tiny-task: {os.path.abspath(root)} (model/, train.parquet, val.parquet)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hilore-verl", description="HiLoRe activation memory manager for verl.")
     from hilore_verl import __version__
@@ -138,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=_seed, default=0, help="policy weights, prompts and sampling (default 0)")
     demo.add_argument("--json", metavar="PATH", type=_output_path, help="also write the per-step records as JSON")
     demo.set_defaults(func=_demo)
+    tiny = sub.add_parser("tiny-task", help="write the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, "
+                                            "tokenizer, parquet data; no download)")
+    tiny.add_argument("--out", default=".tiny_cpu", help="folder to write (default .tiny_cpu, as the recipe names)")
+    tiny.set_defaults(func=_tiny_task)
     plan = sub.add_parser("plan", help="the per-unit plan for a model on a GPU, from its config alone (no GPU)")
     plan.add_argument("--model", required=True,
                       help="a preset (e.g. qwen2.5-7b, llama-3-8b; see docs/config.md) or a HF model directory")

@@ -1,0 +1,84 @@
+"""The tiny CPU task that `recipes/grpo/tiny_cpu.yaml` names by default, made locally (no download).
+
+    hilore-verl tiny-task                 # writes .tiny_cpu/ in the current directory (make install does)
+
+    .tiny_cpu/model/          a random 2-layer Qwen2-shaped policy and its word-level tokenizer
+    .tiny_cpu/train.parquet   prompts as verl's data-prep scripts write them (data_source, prompt,
+    .tiny_cpu/val.parquet     ability, reward_model.ground_truth, extra_info)
+
+The task: a prompt of four digits, `3 7 1 9 =`; the answer is the first digit. The reward is
+`compute_score` (verl's custom reward function: `pkg://hilore_verl.tiny_task`): 1 when the
+response starts with that digit, else 0. A random policy scores about 1 in 10, so GRPO has a
+signal to learn from within a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+DIGITS = [str(d) for d in range(10)]
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+VOCAB = SPECIAL + DIGITS + ["="]
+DATA_SOURCE = "hilore_verl/first_digit"
+VERSION = 4  # bump when what is written changes: an older folder is written again
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the task's words, with a chat template that joins the messages."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # decoding joins words with spaces: "3 7 1 9 ="
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def make_rows(n: int, split: str, seed: int) -> list[dict]:
+    rng = random.Random(f"{seed}-{split}")
+    rows = []
+    for i in range(n):
+        digits = [rng.choice(DIGITS) for _ in range(4)]
+        rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": " ".join(digits) + " ="}],
+                     "ability": "copy", "reward_model": {"style": "rule", "ground_truth": digits[0]},
+                     "extra_info": {"split": split, "index": i}})
+    return rows
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """verl's custom reward signature: 1.0 when the response starts with the answer digit. (Spaces do
+    not matter: loaded beside a Qwen2 config, transformers gives the tokenizer Qwen2's byte-level
+    decoder, which joins the words without them.)"""
+    return 1.0 if solution_str.strip()[:1] == ground_truth else 0.0
+
+
+def make_tiny_task(root: str = ".tiny_cpu", n_train: int = 512, n_val: int = 64, seed: int = 0) -> str:
+    """Write the model, tokenizer and data under `root` (skipped when this version is there); returns root."""
+    import pandas as pd
+
+    from hilore_verl.tiny_models import save_tiny_model
+
+    marker = os.path.join(root, "tiny_task.json")
+    expected = {"version": VERSION, "n_train": n_train, "n_val": n_val, "seed": seed}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == expected:
+                return root
+    os.makedirs(root, exist_ok=True)
+    tokenizer = make_tokenizer()
+    model_dir = os.path.join(root, "model")
+    save_tiny_model(model_dir, "qwen2", seed=seed, vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    tokenizer.save_pretrained(model_dir)
+    for split, n in (("train", n_train), ("val", n_val)):
+        pd.DataFrame(make_rows(n, split, seed)).to_parquet(os.path.join(root, f"{split}.parquet"))
+    with open(marker, "w") as f:
+        json.dump(expected, f)
+    return root
