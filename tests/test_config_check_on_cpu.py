@@ -1,0 +1,38 @@
+"""verl's own trainer (`main_ppo`) stops on a bad `hilore:` section with one line, before Ray starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hilore_verl.integration.config_check import hilore_error
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.hilore.risk_budget=-1", "hilore.risk_budget: got -1; valid: a finite number >= 0"),
+    ("+actor_rollout_ref.actor.hilore.budgett=1", "hilore.budgett: unknown key"),
+    ("actor_rollout_ref.actor.strategy=fsdp", "hilore.enable=true needs actor_rollout_ref.actor.strategy=fsdp2"),
+])
+def test_main_ppo_exits_with_one_line_before_ray(override, message):
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
+           "actor_rollout_ref.actor.hilore.enable=true", override]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith(f"hilore-verl: bad config: {message}"), proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == ours[0]  # no stack trace after it
+    assert "ray init" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_only_hilore_errors_are_shortened():
+    try:
+        try:
+            raise ValueError("hilore.group_size: got 3; valid: an integer, one of (32, 64, 128)")
+        except ValueError as inner:
+            raise RuntimeError("Error in call to target 'HiLoReActorConfig'") from inner
+    except RuntimeError as outer:
+        assert hilore_error(outer) == "hilore.group_size: got 3; valid: an integer, one of (32, 64, 128)"
+    assert hilore_error(ValueError("train_batch_size must be divisible")) is None
