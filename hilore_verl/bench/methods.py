@@ -171,7 +171,8 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
         costs = dataclasses.replace(costs, formats=())
     risk = None
     if risk_budget > 0:
-        exposed = torch.zeros(len(lengths)).index_add_(0, batch["target_seq"].cpu(), batch["coef"].cpu().double().pow(2).float())
+        c2 = batch["coef"].cpu().double().pow(2)  # per sequence: the sum of its tokens' c^2
+        exposed = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, batch["target_seq"].cpu(), c2)
         probe = probe_batch(batch, probe_indices(lengths, bound, exposed.tolist()))
 
         def grad_fn(plan):

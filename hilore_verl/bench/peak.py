@@ -1,11 +1,13 @@
-"""Physical peak memory of one actor update of one method, in this fresh process (`python -m hilore_verl.bench.peak METHOD CONFIG_JSON [STATE | --first-step]`).
+"""Physical peak memory of one actor update of one method, in this fresh process:
+
+    python -m hilore_verl.bench.peak METHOD CONFIG_JSON [STATE | --first-step]
 
 Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
 so freed memory leaves the process; after a warm-up step the kernel's high-water mark is reset
 (`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read. Reported over the process's
 resident size before the model was built (Python, torch, the libraries and the codec's compiled
-code, loaded first in every method's process), so ratios compare what the methods themselves take. Planners load the parent's cost table and risk model (no
-second profiling run); with `--first-step` a planner is built from scratch instead and the peak and
+code, loaded first in every method's process), so ratios compare what the methods themselves
+take. Planners load the parent's cost table and risk model (no second profiling run); with `--first-step` a planner is built from scratch instead and the peak and
 time of its first step (profiling, calibration and one update) are measured.
 """
 

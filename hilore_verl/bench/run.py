@@ -20,6 +20,7 @@ import time
 import torch
 
 from hilore_verl.bench import methods as M
+from hilore_verl.bench.peak import FIRST_STEP
 from hilore_verl.bench.workload import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.planner import BudgetConfig, Controller
@@ -166,7 +167,7 @@ def _sweep_controllers(built: dict[str, M.Method], points, tokens: int) -> dict[
 
 
 def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, first_step: bool = False) -> dict:
-    state = "--first-step" if first_step else None
+    state = FIRST_STEP if first_step else None
     if not first_step and method is not None and method.controller is not None:
         state = os.path.join(tmp, f"{name}.pt")
         torch.save(M.planner_state(method), state)
@@ -180,8 +181,8 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
     if first_step:
         return {"seconds": m["first_step_s"], "gc_step_s": m["gc_step_s"],
                 "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024}
-    return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024, "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024,
-            "runtime_held_bytes": m["runtime_held_bytes"]}
+    return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024,
+            "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"]}
 
 
 def _counts(plan: dict[str, str]) -> dict[str, int]:

@@ -141,15 +141,17 @@ def probe_batch(batch: dict[str, torch.Tensor], index: list[int]) -> dict[str, t
     keep = torch.isin(batch["target_seq"], idx)  # response tokens of the chosen sequences
     new_seq = torch.full((len(batch["seq_lens"]),), -1, dtype=torch.long, device=idx.device)
     new_seq[idx] = torch.arange(len(idx), device=idx.device)
-    out = {"targets": batch["targets"][keep], "coef": batch["coef"][keep], "target_seq": new_seq[batch["target_seq"][keep]],
-           "seq_lens": batch["seq_lens"][idx], "tokens": batch["seq_lens"][idx].sum()}
+    out = {"targets": batch["targets"][keep], "coef": batch["coef"][keep],
+           "target_seq": new_seq[batch["target_seq"][keep]], "seq_lens": batch["seq_lens"][idx],
+           "tokens": batch["seq_lens"][idx].sum()}
     if "attention_mask" in batch:  # padded rows: logit index = row * S + column
         S = batch["input_ids"].shape[1]
         out.update({k: batch[k][idx] for k in ("input_ids", "position_ids", "attention_mask")})
         li = batch["logit_index"][keep]
         out.update(logit_index=new_seq[li // S] * S + li % S, positions=torch.tensor(len(idx) * S))
     else:  # one packed row, sequences in order: keep their tokens, re-rank the logit indices
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch["seq_lens"]), device=idx.device), batch["seq_lens"])
+        sequences = torch.arange(len(batch["seq_lens"]), device=idx.device)
+        seq_of_token = torch.repeat_interleave(sequences, batch["seq_lens"])
         tok = torch.isin(seq_of_token, idx)
         rank = torch.cumsum(tok, 0) - 1
         out.update(input_ids=batch["input_ids"][:, tok], position_ids=batch["position_ids"][:, tok],

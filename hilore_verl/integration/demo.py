@@ -115,10 +115,9 @@ def grpo_advantages(reward: torch.Tensor, response_mask: torch.Tensor, group_siz
 def _arm(rank: int, world_size: int, arm: str, model_dir: str, config: DemoConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from hilore_verl import kernels
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
-
-    from hilore_verl import kernels
 
     logging.getLogger("hilore_verl").setLevel(logging.ERROR if rank else logging.WARNING)
     kernels.warm_up()  # both arms hold the codec's compiled code: peak RSS compares what the updates hold

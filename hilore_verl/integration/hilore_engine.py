@@ -5,8 +5,8 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
     gradient checkpointing on the managed layers, and says so);
   - `train_batch`: on the first call, profile the cost table and calibrate the risk model on a
-    probe of whole sequences, at most `profile_tokens` tokens (identical on every rank: numbers are averaged over the data-parallel
-    group); then, once per mini-batch, hand the controller the predicted exposure of every
+    probe of whole sequences, at most `profile_tokens` tokens (identical on every rank: numbers are
+    averaged over the data-parallel group); then, once per mini-batch, hand the controller the predicted exposure of every
     micro-batch, audit every `audit_every` steps, run verl's own train_batch (retrying with every
     unit recomputed after an out-of-memory error) and add `hilore/*` metrics;
   - `forward_step`: before each training micro-batch, apply its plan; after its forward and

@@ -3,10 +3,12 @@
 Profiling and calibration run about sixteen forward + backward passes of one probe micro-batch
 before any plan exists. On all of a large micro-batch's tokens those passes would take many
 steps, and a probe that keeps one layer's activations would go past GC's peak on exactly the
-jobs that need GC. So the probe is a few whole sequences of a micro-batch (always at least one), at most
-`probe_token_bound` tokens: the configured bound (hilore.profile_tokens) and 1/8 of the tokens a
-rank trains on in the step, so the ~16 probe passes cost about two steps' work; the cost table scales its figures linearly by tokens
-(`CostTable.scale`), and the risk model is calibrated against the probe's own exposure.
+jobs that need GC. So the probe is a few whole sequences of a micro-batch (always at least one),
+at most `probe_token_bound` tokens: the configured bound (hilore.profile_tokens) and 1/8 of the
+tokens a rank trains on in the step, so the ~18 probe passes cost about two steps' work. The cost
+table scales its figures from the probe's tokens (`CostTable.grow`; `half_probe` gives the second,
+smaller probe that measures what grows faster than linearly), and the risk model is calibrated
+against the probe's own exposure.
 
     lengths  = [180, 75, 240, 96]          # tokens per sequence
     priority = [0.0, 2.1, 0.4, 1.7]        # e.g. each sequence's exposure (calibration)

@@ -2,8 +2,8 @@
 
 Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
 are, except that a cast of a weight made inside a recomputed call (autocast's bf16 copy) is made
-again by the re-run instead of held. Everything else is handled by its producer unit's mode (`Runtime._lookup` finds the
-producer): KEEP holds the tensor, COMPRESS a quantized payload (non-finite tensors stay exact and
+again by the re-run instead of held. Everything else is handled by its producer unit's mode
+(`Runtime._lookup` finds the producer): KEEP holds the tensor, COMPRESS a quantized payload (non-finite tensors stay exact and
 are counted), RECOMPUTE a `Dropped` handle on the producing call. Unpack: each holder checks the
 tensor was not changed in place since it was saved, then hands it out (decoded or regenerated).
 """
@@ -21,24 +21,24 @@ from hilore_verl.runtime.records import Checked, Compressed, Kept, VersionWatch,
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def is_parameter_like(t: torch.Tensor) -> bool:
-    """Parameters, autocast casts of them, and views of either (a linear under autocast saves the
-    transposed view of the weight's bf16 cast): their size does not grow with tokens, and they are
-    never compressed or dropped."""
+def parameter_kind(t: torch.Tensor) -> str | None:
+    """"leaf": a parameter or a view of one (static memory); "copy": an autocast cast of one or a view
+    of that (a linear under autocast saves the transposed view of its weight's bf16 cast); None:
+    anything else. Neither kind grows with tokens or is ever compressed."""
     if t._base is not None:
         t = t._base  # a view's storage is its base's
     if isinstance(t, nn.Parameter):
-        return True
+        return "leaf"
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
         nxt = fn.next_functions
-        return bool(nxt) and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
-    return False
+        if nxt and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad":
+            return "copy"
+    return None
 
 
-def is_leaf_parameter(t: torch.Tensor) -> bool:
-    """A parameter or a view of one (static memory), as opposed to a copy made from one."""
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+def is_parameter_like(t: torch.Tensor) -> bool:
+    return parameter_kind(t) is not None
 
 
 def unpack(x):
@@ -63,13 +63,12 @@ class SavedTensorHooks:
             frame.own_count += 1
         if t.is_nested:
             return Kept(t)
-        parameter = is_parameter_like(t)
-        copy = parameter and not is_leaf_parameter(t)  # e.g. autocast's bf16 copy of a weight
-        if copy and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
-            # made inside a recomputed call: its re-run makes it again (never compressed, though)
+        kind = parameter_kind(t)
+        if kind == "copy" and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
+            # a weight copy made inside a recomputed call: its re-run makes it again (never compressed)
             return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
-        if parameter or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
-            leaf = parameter and not copy
+        if kind or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
+            leaf = kind == "leaf"
             kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
             fwd.stats.add_unmanaged(kept.tensor, leaf)  # the stats watch what lives as long as the graph
             return kept
