@@ -20,19 +20,21 @@ import random
 
 DIGITS = [str(d) for d in range(10)]
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-VOCAB = SPECIAL + DIGITS + ["="]
+VOCAB = SPECIAL + DIGITS + ["=", "\n"]
 DATA_SOURCE = "hilore_verl/first_digit"
-VERSION = 4  # bump when what is written changes: an older folder is written again
+VERSION = 5  # bump when what is written changes: an older folder is written again
 
 
 def make_tokenizer():
     """A word-level tokenizer over the task's words, with a chat template that joins the messages."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # decoding joins words with spaces: "3 7 1 9 ="
+    # a newline is one token (verl's agent loop checks that for Qwen-family chat templates)
+    core.add_tokens([AddedToken("\n", normalized=False)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                         unk_token="<unk>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

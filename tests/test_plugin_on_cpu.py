@@ -25,7 +25,8 @@ def test_import_verl_loads_the_plugin_and_selects_the_cpu_platform():
     report = _report()
     assert report == {"loaded": True, "error": None,
                       "registered": ["platform:cpu", "cpu:process-group", "cpu:fsdp-engines",
-                                     "cpu:offload-without-pinning", "config:one-line-errors"],
+                                     "cpu:offload-without-pinning", "cpu:ray-resources", "cpu:rollout-hf",
+                                     "config:one-line-errors"],
                       "device": "cpu", "platform": "PlatformCPU", "backend": "gloo"}
 
 

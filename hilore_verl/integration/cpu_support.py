@@ -9,7 +9,11 @@ verl 0.9.1 assumes an accelerator in three places that `main_ppo` reaches throug
   "cpu" too (what `patches/verl-0.9.1-fsdp-engine-cpu-device.patch` does to verl's file, which stays
   optional);
 - pinned memory: the FSDP2 engine's CPU offload policy (the ref worker's, forward only) asks for
-  pinned host memory, which needs an accelerator; without one it is not pinned.
+  pinned host memory, which needs an accelerator; without one it is not pinned;
+- resources: the trainer checks that Ray has as many GPUs (or NPUs) as ranks; on the CPU each rank's
+  placement bundle is a Ray CPU (the CPU platform's resource name), so that is what is counted;
+- generation: verl's rollouts (vLLM, SGLang, TensorRT-LLM) need an accelerator; the `hf` rollout
+  (`hf_rollout.py`, Hugging Face generate) is registered in verl's two rollout registries.
 
 Each applies only when verl's device is the CPU (or, for pinning, no accelerator exists): a GPU or
 NPU host runs verl's code unchanged. Installed by `registration.register_all`.
@@ -73,7 +77,45 @@ def _fsdp_on_cpu(module) -> None:
     module.CPUOffloadPolicy = cpu_offload_policy
 
 
+def _count_cpus(module) -> None:
+    manager = module.ResourcePoolManager
+    check = manager._check_resource_available
+
+    @functools.wraps(check)
+    def _check_resource_available(self):
+        if not _on_cpu():
+            return check(self)
+        import ray
+
+        available = sum(node.get("CPU", 0) for node in ray._private.state.available_resources_per_node().values())
+        wanted = sum(n for per_node in self.resource_pool_spec.values() for n in per_node)
+        if available < wanted:
+            raise ValueError(f"Ray has {available:g} CPUs available, fewer than the {wanted} ranks asked for "
+                             "(ray_kwargs.ray_init.num_cpus sets how many Ray counts on one node)")
+
+    manager._check_resource_available = _check_resource_available
+
+
+HF_ROLLOUT = "hilore_verl.integration.hf_rollout"
+
+
+def _hf_adapter(module) -> None:
+    if _on_cpu():
+        module._ROLLOUT_REGISTRY.setdefault(("hf", "async"), f"{HF_ROLLOUT}.HFGenerateAdapter")
+
+
+def _hf_replica(module) -> None:
+    import importlib
+
+    if _on_cpu():
+        module.RolloutReplicaRegistry.register("hf", lambda: importlib.import_module(HF_ROLLOUT).HFGenerateReplica)
+
+
 def install() -> list[str]:
     when_imported("verl.utils.distributed", _gloo_on_cpu)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _fsdp_on_cpu)
-    return ["cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning"]
+    when_imported("verl.single_controller.ray.base", _count_cpus)
+    when_imported("verl.workers.rollout.base", _hf_adapter)
+    when_imported("verl.workers.rollout.replica", _hf_replica)
+    return ["cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning", "cpu:ray-resources",
+            "cpu:rollout-hf"]
