@@ -19,16 +19,17 @@ def _demo(args: argparse.Namespace) -> int:
 
     from hilore_verl.integration.demo import DemoConfig, run_demo
 
-    config = DemoConfig(steps=args.steps, seed=args.seed)
+    config = DemoConfig(steps=args.steps, seed=args.seed, recipe_dir=args.recipe_dir or "", task_dir=args.task_dir,
+                        overrides=tuple(args.override))
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     bad = [a for a in arms if a not in ("hilore", "gc")] or ([] if arms else ["(none)"])
     if bad:
         print(f"hilore-verl demo: unknown demo arm {bad[0]!r}; valid: hilore, gc (e.g. --arms hilore,gc)",
               file=sys.stderr)
         return 2
-    print(f"hilore-verl demo: GRPO on a toy copy task, tiny random Qwen2 policy, 2 gloo ranks, "
-          f"{config.steps} steps per arm ({', '.join(arms)})", flush=True)
-    result = run_demo(config, arms)
+    print(f"hilore-verl demo: verl's main_ppo, GRPO on the tiny CPU recipe (random 2-layer Qwen2, copy the "
+          f"first digit), 2 ranks through Ray, {config.steps} steps per arm ({', '.join(arms)})", flush=True)
+    result = run_demo(config, arms, echo=lambda line: print(line, flush=True))
     print()
     print(result.table())
     if args.json:
@@ -140,10 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="check versions, device, the verl plugin and verl's FSDP2 engine here")
     doctor.set_defaults(func=_doctor)
-    demo = sub.add_parser("demo", help="a short GRPO run on CPU through verl's FSDP2 engine: HiLoRe next to verl's GC")
-    demo.add_argument("--steps", type=_positive, default=12, help="GRPO steps per arm (default 12)")
+    demo = sub.add_parser("demo", help="verl's main_ppo on the tiny CPU recipe: HiLoRe next to verl's GC")
+    demo.add_argument("--steps", type=_positive, default=20, help="GRPO steps per arm (default 20)")
     demo.add_argument("--arms", default="hilore,gc", help="comma-separated: hilore, gc (default both)")
-    demo.add_argument("--seed", type=_seed, default=0, help="policy weights, prompts and sampling (default 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="data order and rollout sampling (default 0)")
+    demo.add_argument("--task-dir", default=".tiny_cpu", help="the tiny task's folder, written if missing "
+                                                              "(default .tiny_cpu)")
+    demo.add_argument("--recipe-dir", default=None, help="folder of tiny_cpu.yaml (default: the repository's "
+                                                         "recipes/grpo)")
+    demo.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="a hydra override for both arms (repeatable), e.g. data.train_batch_size=16")
     demo.add_argument("--json", metavar="PATH", type=_output_path, help="also write the per-step records as JSON")
     demo.set_defaults(func=_demo)
     tiny = sub.add_parser("tiny-task", help="write the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, "

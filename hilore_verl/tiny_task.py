@@ -6,10 +6,11 @@
     .tiny_cpu/train.parquet   prompts as verl's data-prep scripts write them (data_source, prompt,
     .tiny_cpu/val.parquet     ability, reward_model.ground_truth, extra_info)
 
-The task: a prompt of four digits, `3 7 1 9 =`; the answer is the first digit. The reward is
+The task: a prompt of four digits, `3 1 1 2 =`; the answer is the first digit. The reward is
 `compute_score` (verl's custom reward function: `pkg://hilore_verl.tiny_task`): 1 when the
-response starts with that digit, else 0. A random policy scores about 1 in 10, so GRPO has a
-signal to learn from within a few steps.
+response starts with that digit, else 0. Prompts draw from three digits (`PROMPT_DIGITS`) out of
+the ten in the vocabulary: a random policy scores about 1 in 16; one that learned to answer with
+those three scores 1 in 3 (GRPO finds that within a few steps at lr 1e-2), and copying reaches 1.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import random
 DIGITS = [str(d) for d in range(10)]
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 VOCAB = SPECIAL + DIGITS + ["=", "\n"]
+PROMPT_DIGITS = ["1", "2", "3"]
 DATA_SOURCE = "hilore_verl/first_digit"
-VERSION = 5  # bump when what is written changes: an older folder is written again
+VERSION = 6  # bump when what is written changes: an older folder is written again
 
 
 def make_tokenizer():
@@ -45,7 +47,7 @@ def make_rows(n: int, split: str, seed: int) -> list[dict]:
     rng = random.Random(f"{seed}-{split}")
     rows = []
     for i in range(n):
-        digits = [rng.choice(DIGITS) for _ in range(4)]
+        digits = [rng.choice(PROMPT_DIGITS) for _ in range(4)]
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": " ".join(digits) + " ="}],
                      "ability": "copy", "reward_model": {"style": "rule", "ground_truth": digits[0]},
                      "extra_info": {"split": split, "index": i}})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hilore_verl.integration.config_check import hilore_error
+from hilore_verl.integration.config_check import hilore_error, host_error
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
 
@@ -15,6 +15,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
     ("actor_rollout_ref.actor.hilore.risk_budget=-1", "hilore.risk_budget: got -1; valid: a finite number >= 0"),
     ("+actor_rollout_ref.actor.hilore.budgett=1", "hilore.budgett: unknown key"),
     ("actor_rollout_ref.actor.strategy=fsdp", "hilore.enable=true needs actor_rollout_ref.actor.strategy=fsdp2"),
+    ("trainer.device=cuda", "actor_rollout_ref.rollout.name=hf is the CPU rollout"),
+    ("ray_kwargs.ray_init.num_cpus=null", "Ray would count"),
 ])
 def test_main_ppo_exits_with_one_line_before_ray(override, message):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
@@ -36,3 +38,24 @@ def test_only_hilore_errors_are_shortened():
     except RuntimeError as outer:
         assert hilore_error(outer) == "hilore.group_size: got 3; valid: an integer, one of (32, 64, 128)"
     assert hilore_error(ValueError("train_batch_size must be divisible")) is None
+
+
+def test_host_checks():
+    from omegaconf import OmegaConf
+
+    def config(**trainer):
+        return OmegaConf.create({"trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": 2, **trainer},
+                                 "actor_rollout_ref": {"rollout": {"name": "hf"}},
+                                 "transfer_queue": {"enable": True,
+                                                    "backend": {"SimpleStorage": {"num_data_storage_units": 8}}},
+                                 "ray_kwargs": {"ray_init": {"num_cpus": None}}})
+
+    import os
+
+    too_few = os.cpu_count() < 12
+    assert (host_error(config()) is not None) == too_few  # 2 ranks + controller + 8 units + 1
+    assert host_error(config(nnodes=2)) is None  # other nodes' cores are not this host's
+    with_cpus = config()
+    with_cpus.ray_kwargs.ray_init.num_cpus = 16
+    assert host_error(with_cpus) is None
+    assert "use vllm or sglang" in host_error(config(device="cuda"))

@@ -8,6 +8,13 @@ with a stack trace. Wrapped here (when verl imports the module), such an error p
     hilore-verl: bad config: hilore.risk_budget: got -1; valid: a finite number >= 0
 
 on stderr and exits with status 2. Every other error is verl's, untouched.
+
+Two host checks run there too, for what would otherwise fail late or not at all:
+
+- `actor_rollout_ref.rollout.name=hf` (the plugin's CPU rollout) on a device other than the CPU;
+- on a one-node CPU run with Ray's CPU count left to Ray (`ray_kwargs.ray_init.num_cpus: null`), fewer
+  cores than Ray must hold: a placement bundle per rank, the transfer queue's controller and storage
+  units, and one more to schedule the remaining actors. Ray would wait for them forever.
 """
 
 from __future__ import annotations
@@ -29,11 +36,39 @@ def hilore_error(err: BaseException) -> str | None:
     return None
 
 
+def host_error(config) -> str | None:
+    """Why this host cannot run `config` (see the module docstring), or None."""
+    import os
+
+    trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
+    device = trainer.get("device", "cuda")
+    if rollout.get("name") == "hf" and device != "cpu":
+        return (f"actor_rollout_ref.rollout.name=hf is the CPU rollout (Hugging Face generate); with "
+                f"trainer.device={device} use vllm or sglang")
+    ray_cpus = config.get("ray_kwargs", {}).get("ray_init", {}).get("num_cpus")
+    if device != "cpu" or trainer.nnodes != 1 or ray_cpus is not None:
+        return None
+    queue = config.get("transfer_queue", {})
+    units = queue.get("backend", {}).get("SimpleStorage", {}).get("num_data_storage_units", 0)
+    needed = trainer.n_gpus_per_node + (1 + units if queue.get("enable", False) else 0) + 1
+    cores = os.cpu_count() or 1
+    if cores < needed:
+        return (f"Ray would count {cores} CPUs here and needs {needed} ({trainer.n_gpus_per_node} ranks, the "
+                f"transfer queue, one to schedule the rest): set ray_kwargs.ray_init.num_cpus={max(needed, 16)} "
+                f"(logical CPUs; recipes/grpo/tiny_cpu.yaml does)")
+    return None
+
+
 def _wrap(module) -> None:
     validate = module.validate_config
 
     @functools.wraps(validate)
     def validate_config(*args, **kwargs):
+        config = args[0] if args else kwargs.get("config")
+        message = host_error(config) if config is not None else None
+        if message is not None:
+            print(f"hilore-verl: bad config: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         try:
             return validate(*args, **kwargs)
         except Exception as err:

@@ -1,173 +1,150 @@
-"""`hilore-verl demo`: a short GRPO run on CPU through verl's FSDP2 engine, HiLoRe next to verl's GC.
+"""`hilore-verl demo`: verl's own trainer (`main_ppo`) on the tiny CPU recipe, HiLoRe next to verl's GC.
 
-Everything is embedded: a random tiny Qwen2-shaped policy with a 16-token vocabulary, and a
-verifiable toy task. Prompt `BOS d1 d2 d3 d4 SEP` (digits); a response is correct when its first
-token is d1 (exact match, reward 1, else 0). Per step, on each of 2 gloo ranks:
+Each arm is one `python -m verl.trainer.main_ppo --config-path recipes/grpo --config-name tiny_cpu`
+run from the same seed (the tiny task `make install` writes: a random 2-layer Qwen2 policy, copy the
+first digit), on 2 ranks through Ray, generating with the plugin's `hf` rollout:
 
-  rollout      HF `generate` (sampling) from a full copy of the policy, G responses per prompt
-  old log-p    the same copy (on-policy: the PPO ratio starts at 1)
-  advantages   verl's GRPO estimator (`compute_grpo_outcome_advantage`)
-  update       verl's FSDP2 engine `train_batch` with verl's `ppo_loss` (one mini-batch)
+    hilore   actor_rollout_ref.actor.hilore.enable=true    (plans keep / compress / recompute)
+    gc       actor_rollout_ref.actor.hilore.enable=false   (stock verl: full gradient checkpointing)
 
-Each arm (HiLoRe, then verl's full gradient checkpointing) runs in fresh rank processes from the
-same seed, so the physical peak (process peak RSS) belongs to that arm alone (both load the codec's
-compiled code first). Step 1 of HiLoRe includes its one-time profiling and calibration, reported
-against GC's mean update; the mean update time excludes step 1 for both.
+Per step it prints what verl's tracker logged (verl's file logger, one JSON line per step): the
+reward (`critic/score/mean`), the actor update time (`timing_s/update_actor`) and HiLoRe's plan
+(`actor/hilore/plan/*`). Each arm's peak memory is the largest peak RSS (VmHWM) among its rank
+processes (Ray's `WorkerDict` actors), read while the arm runs. HiLoRe's first actor call includes
+its one-time profiling and the codec's compilation; the mean update time excludes step 1 in both arms.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
+import json
 import os
-import resource
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-PAD, BOS, SEP, EOS = 0, 1, 2, 3
-DIGITS = torch.arange(4, 14)  # ten digit tokens
-VOCAB = 16
+ARMS = {"hilore": "true", "gc": "false"}
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 12
+    steps: int = 20
     """GRPO steps per arm."""
-    prompts_per_rank: int = 8
-    """Prompts each of the 2 ranks rolls out per step."""
-    group_size: int = 8
-    """Responses per prompt (GRPO's G)."""
-    max_response_len: int = 12
-    """Longest response; generation stops at EOS."""
-    hidden_size: int = 128
-    num_layers: int = 4
-    micro_batch_size: int = 16
-    """Sequences per micro-batch on each rank."""
-    lr: float = 1e-2
     seed: int = 0
-    hilore: dict = field(default_factory=lambda: {"enable": True, "risk_budget": 0.01, "min_bytes": 4096,
-                                                  "budget": {"mode": "gc_ratio", "value": 1.10},
-                                                  "audit_every": 5})
-    """The `hilore:` section for the HiLoRe arm (docs/config.md)."""
+    """verl's data shuffle seed and the rollout's sampling seed."""
+    recipe_dir: str = ""
+    """Folder of `tiny_cpu.yaml` (default: the repository's recipes/grpo)."""
+    task_dir: str = ".tiny_cpu"
+    """The tiny task's folder (`hilore-verl tiny-task`); written first if missing."""
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+    """Extra hydra overrides for both arms (e.g. `data.train_batch_size=16`)."""
 
 
-def save_policy(path: str, config: DemoConfig) -> str:
-    from hilore_verl.tiny_models import save_tiny_model
-
-    return save_tiny_model(path, "qwen2", seed=config.seed, vocab_size=VOCAB, hidden_size=config.hidden_size,
-                           intermediate_size=2 * config.hidden_size, num_hidden_layers=config.num_layers,
-                           max_position_embeddings=64)
+def default_recipe_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "grpo")
 
 
-def make_prompts(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, 6) prompts `BOS d1 d2 d3 d4 SEP` and the answers d1."""
-    digits = DIGITS[torch.randint(0, 10, (n, 4), generator=generator)]
-    prompts = torch.cat([torch.full((n, 1), BOS), digits, torch.full((n, 1), SEP)], dim=1)
-    return prompts, digits[:, 0]
+def _rank_pids() -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::WorkerDict"):
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
 
 
-def rollout(policy, prompts, answers, config: DemoConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Sample G responses per prompt; a mini-batch in verl's padded layout with rewards and log-probs."""
-    G, R = config.group_size, config.max_response_len
-    prompts = prompts.repeat_interleave(G, 0)
-    answers = answers.repeat_interleave(G, 0)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = policy.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0,
-                              max_new_tokens=R, eos_token_id=EOS, pad_token_id=PAD)
-    responses = torch.nn.functional.pad(out[:, prompts.shape[1]:], (0, R - (out.shape[1] - prompts.shape[1])),
-                                        value=PAD)
-    ended = (responses == EOS).int()
-    lengths = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0], R))  # EOS included
-    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
-    responses = responses * response_mask
-    reward = (responses[:, 0] == answers).float()
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([torch.ones_like(prompts), response_mask], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0) * attention_mask
-    with torch.no_grad():
-        logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        logp = torch.log_softmax(logits[:, prompts.shape[1] - 1:-1].float(), -1)
-        old_log_probs = logp.gather(-1, responses[..., None]).squeeze(-1) * response_mask
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "prompts": prompts, "responses": responses, "response_mask": response_mask,
-            "old_log_probs": old_log_probs, "reward": reward, "lengths": lengths}
+def _vm_hwm_gib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return 0.0
 
 
-def grpo_advantages(reward: torch.Tensor, response_mask: torch.Tensor, group_size: int, offset: int) -> torch.Tensor:
-    """verl's GRPO estimator on outcome rewards (the reward sits on each response's last token)."""
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+class _PeakWatcher(threading.Thread):
+    """The largest peak RSS among the rank processes, polled while an arm runs (VmHWM only grows)."""
 
-    last = response_mask.sum(1) - 1
-    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    token_rewards[torch.arange(len(reward)), last] = reward
-    index = np.array([offset + i // group_size for i in range(len(reward))], dtype=object)
-    advantages, _ = compute_grpo_outcome_advantage(token_rewards, response_mask, index)
-    return advantages
+    def __init__(self, period_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.period_s, self.peak_gib, self.stop = period_s, 0.0, threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            for pid in _rank_pids():
+                self.peak_gib = max(self.peak_gib, _vm_hwm_gib(pid))
+            self.stop.wait(self.period_s)
 
 
-def _arm(rank: int, world_size: int, arm: str, model_dir: str, config: DemoConfig) -> dict:
-    from transformers import AutoModelForCausalLM
+def step_record(step: int, metrics: dict) -> dict:
+    """The demo's view of one step of verl's metrics."""
+    plan = {key.rsplit("_", 1)[1]: int(v) for key, v in metrics.items()
+            if key.startswith("actor/hilore/plan/units_")}
+    record = {"step": step, "reward": metrics["critic/score/mean"], "update_s": metrics["timing_s/update_actor"],
+              "step_s": metrics["timing_s/step"],
+              "plan": " ".join(f"{m}:{n}" for m, n in sorted(plan.items())) or "full recompute (verl GC)"}
+    for key in ("predicted_peak_gib", "budget_gib"):
+        if f"actor/hilore/plan/{key}" in metrics:
+            record[key] = metrics[f"actor/hilore/plan/{key}"]
+    return record
 
-    from hilore_verl import kernels
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
 
-    logging.getLogger("hilore_verl").setLevel(logging.ERROR if rank else logging.WARNING)
-    kernels.warm_up()  # both arms hold the codec's compiled code: peak RSS compares what the updates hold
-    extra = {"engine_cls": HiLoReFSDPEngine, "hilore": config.hilore} if arm == "hilore" else {}
-    with contextlib.redirect_stdout(io.StringIO()):  # verl prints its model set-up; the demo prints steps
-        engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=config.lr, clip_grad=1.0,
-                                   micro_batch_size_per_gpu=config.micro_batch_size,
-                                   total_training_steps=config.steps, **extra)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    loss_fn = ppo_loss_fn(actor_config(loss_agg_mode="token-mean"))
-    data_rng = torch.Generator().manual_seed(config.seed * 7919 + rank)
-    global_batch = world_size * config.prompts_per_rank * config.group_size
-    steps = []
-    for step in range(1, config.steps + 1):
-        full = {n: p.full_tensor() for n, p in engine.module.named_parameters()}  # weights to the rollout copy
-        policy.load_state_dict(full, strict=False)
-        prompts, answers = make_prompts(config.prompts_per_rank, data_rng)
-        batch = rollout(policy, prompts, answers, config, seed=config.seed * 100003 + step * 101 + rank)
-        batch["advantages"] = grpo_advantages(batch["reward"], batch["response_mask"], config.group_size,
-                                              offset=rank * config.prompts_per_rank)
-        td = to_engine_batch(batch, micro_batch_size_per_gpu=config.micro_batch_size, global_batch_size=global_batch)
-        dist.barrier()
-        start = time.perf_counter()
-        with engine.train_mode():
-            out = engine.train_batch(td, loss_function=loss_fn)
-        dist.barrier()
-        seconds = time.perf_counter() - start
-        stats = torch.tensor([batch["reward"].sum(), batch["reward"].numel(), batch["lengths"].float().mean()])
-        dist.all_reduce(stats)
-        record = {"step": step, "reward": float(stats[0] / stats[1]), "update_s": seconds,
-                  "response_len": float(stats[2] / world_size),
-                  "plan": _plan_summary(engine) if arm == "hilore" else "full recompute (verl GC)"}
-        if arm == "hilore":
-            metrics = out["metrics"]
-            record["predicted_peak_gib"] = metrics["hilore/plan/predicted_peak_gib"][0]
-            record["budget_gib"] = metrics["hilore/plan/budget_gib"][0]
+def arm_command(arm: str, config: DemoConfig) -> list[str]:
+    recipe = os.path.abspath(config.recipe_dir or default_recipe_dir())
+    task = os.path.abspath(config.task_dir)
+    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", recipe, "--config-name", "tiny_cpu",
+            f"actor_rollout_ref.actor.hilore.enable={ARMS[arm]}", f"trainer.total_training_steps={config.steps}",
+            "trainer.logger=[file]", f"trainer.experiment_name=demo_{arm}", f"data.seed={config.seed}",
+            f"actor_rollout_ref.rollout.seed={config.seed}", f"actor_rollout_ref.model.path={task}/model",
+            f"data.train_files={task}/train.parquet", f"data.val_files={task}/val.parquet", *config.overrides]
+
+
+def run_arm(arm: str, config: DemoConfig, workdir: str, echo=print) -> dict:
+    """One arm through `main_ppo`; its per-step records as verl logged them, and its peak memory."""
+    log_path, out_path = os.path.join(workdir, f"{arm}.jsonl"), os.path.join(workdir, f"{arm}.log")
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": log_path, "HYDRA_FULL_ERROR": "1"}
+    watcher = _PeakWatcher()
+    watcher.start()
+    steps: list[dict] = []
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(arm_command(arm, config), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=os.getcwd())
+        while True:
+            done = proc.poll() is not None
+            steps = _read_steps(log_path, steps, arm, config, echo)
+            if done:
+                break
+            time.sleep(1.0)
+    watcher.stop.set()
+    watcher.join()
+    if proc.returncode != 0 or len(steps) != config.steps:
+        with open(out_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"demo arm {arm!r}: main_ppo exited with {proc.returncode} after {len(steps)} of "
+                           f"{config.steps} steps; its output ends:\n{tail}")
+    return {"arm": arm, "steps": steps, "peak_rss_gib": watcher.peak_gib, "command": arm_command(arm, config)}
+
+
+def _read_steps(path: str, steps: list[dict], arm: str, config: DemoConfig, echo) -> list[dict]:
+    if not os.path.exists(path):
+        return steps
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    for line in lines[len(steps):]:
+        record = step_record(line["step"], line["data"])
         steps.append(record)
-        if rank == 0:
-            print(f"[{arm:>6}] step {step:2d}/{config.steps}  reward {record['reward']:.3f}  "
-                  f"update {seconds:6.3f} s  {record['plan']}", flush=True)
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], dtype=torch.float64)  # GiB
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"arm": arm, "steps": steps, "peak_rss_gib": float(peak)}
-
-
-def _plan_summary(engine) -> str:
-    counts: dict[str, int] = {}
-    for choice in engine.controller.history[-1].plan.values():
-        counts[choice] = counts.get(choice, 0) + 1
-    return " ".join(f"{mode}:{n}" for mode, n in sorted(counts.items()))
+        echo(f"[{arm:>6}] step {record['step']:2d}/{config.steps}  reward {record['reward']:.3f}  "
+             f"update {record['update_s']:6.3f} s  {record['plan']}")
+    return steps
 
 
 @dataclass
@@ -179,6 +156,11 @@ class DemoResult:
         times = [s["update_s"] for s in self.arms[arm]["steps"][1:]] or [self.arms[arm]["steps"][0]["update_s"]]
         return sum(times) / len(times)
 
+    def mean_reward(self, arm: str, first: bool) -> float:
+        steps = self.arms[arm]["steps"]
+        half = steps[: max(1, len(steps) // 2)] if first else steps[len(steps) // 2:]
+        return sum(s["reward"] for s in half) / len(half)
+
     def table(self) -> str:
         names = list(self.arms)
         lines = ["step | " + " | ".join(f"reward {a:>6} | update s {a:>6}" for a in names)]
@@ -188,33 +170,32 @@ class DemoResult:
             lines.append(f"{i + 1:4d} | " + " | ".join(row))
         lines.append("")
         for a in names:
-            lines.append(f"{a:>6}: mean update {self.mean_update_s(a):.3f} s (steps 2..{self.config.steps}), "
-                         f"peak RSS {self.arms[a]['peak_rss_gib']:.2f} GiB per rank, "
-                         f"final reward {self.arms[a]['steps'][-1]['reward']:.3f}")
+            lines.append(f"{a:>6}: mean reward {self.mean_reward(a, True):.3f} (first half) -> "
+                         f"{self.mean_reward(a, False):.3f} (second half); mean update "
+                         f"{self.mean_update_s(a):.3f} s (steps 2..{self.config.steps}); peak RSS "
+                         f"{self.arms[a]['peak_rss_gib']:.2f} GiB per rank")
         if {"hilore", "gc"} <= set(names):
             last = self.arms["hilore"]["steps"][-1]
             lines.append(f"HiLoRe / GC actor-update time: {self.mean_update_s('hilore') / self.mean_update_s('gc'):.3f}"
-                         f"; last plan {last['plan']}; predicted peak {last['predicted_peak_gib'] * 1024:.2f} MiB "
-                         f"of a {last['budget_gib'] * 1024:.2f} MiB budget")
-            first = self.arms["hilore"]["steps"][0]["update_s"]
-            lines.append(f"HiLoRe's first step (profiling, calibration, one update): {first:.3f} s = "
-                         f"{first / self.mean_update_s('gc'):.2f}x GC's mean update (target <= 3); peak RSS "
-                         f"{self.arms['hilore']['peak_rss_gib'] / self.arms['gc']['peak_rss_gib']:.3f}x GC's")
+                         f"; peak RSS {self.arms['hilore']['peak_rss_gib'] / self.arms['gc']['peak_rss_gib']:.3f}x"
+                         f" GC's; last plan {last['plan']}, predicted peak {last['predicted_peak_gib'] * 2**20:.0f} KiB"
+                         f" of a {last['budget_gib'] * 2**20:.0f} KiB budget")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "arms": self.arms}
 
 
-def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc")) -> DemoResult:
-    from hilore_verl.integration.launch import run_on_ranks
-
-    bad = [a for a in arms if a not in ("hilore", "gc")]
+def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc"), echo=print) -> DemoResult:
+    bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown demo arm {bad[0]!r}; valid: hilore, gc")
+    from hilore_verl.tiny_task import make_tiny_task
+
+    make_tiny_task(config.task_dir)
     results = {}
     with tempfile.TemporaryDirectory(prefix="hilore-demo-") as tmp:
-        model_dir = save_policy(os.path.join(tmp, "policy"), config)
         for arm in arms:
-            results[arm] = run_on_ranks(_arm, 2, args=(arm, model_dir, config), timeout_s=1800)[0]
+            echo(f"[{arm:>6}] {' '.join(arm_command(arm, config)[1:])}")
+            results[arm] = run_arm(arm, config, tmp, echo)
     return DemoResult(config, results)

@@ -159,6 +159,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             self.controller = self._make_controller(Controller.costs_from_state(state),
                                                     Controller.risk_from_state(state))
             self.controller.load_state_dict(state)
+            logger.warning("hilore-verl: resumed from the checkpoint's costs and calibration (%d units, no probes)",
+                           len(self.runtime.units))
             return
         bound = probe_token_bound(self.hilore.profile_tokens, sum(sum(_sequence_lengths(mb)) for mb in micro_batches))
         probe = self._probe(micro_batches[0], bound)  # whole sequences, at most `bound` tokens

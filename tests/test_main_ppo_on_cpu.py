@@ -1,0 +1,105 @@
+"""verl's own trainer end to end on the CPU: `python -m verl.trainer.main_ppo` through Ray, 2 ranks, the
+tiny task, the plugin's `hf` rollout. Each test is one or two trainer runs of about a minute."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes" / "grpo"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from hilore_verl.tiny_task import make_tiny_task
+
+    return Path(make_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task")))
+
+
+def main_ppo(tmp_path, task, *overrides, name="run", config_path=RECIPES, config_name="tiny_cpu", timeout=900):
+    """Run main_ppo; returns (exit status, combined output, per-step metrics as verl's file logger wrote them)."""
+    log = tmp_path / f"{name}.jsonl"
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1"}
+    paths = [f"actor_rollout_ref.model.path={task}/model", f"data.train_files={task}/train.parquet",
+             f"data.val_files={task}/val.parquet"]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(config_path), "--config-name",
+           config_name, *paths, "trainer.logger=[console,file]", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, steps
+
+
+def _hilore_keys(step) -> set[str]:
+    return {k for k in step["data"] if "hilore" in k}
+
+
+def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_probing(tmp_path, task):
+    ckpt = tmp_path / "ckpt"
+    common = ["actor_rollout_ref.actor.hilore.enable=true", "actor_rollout_ref.actor.hilore.audit_every=1",
+              "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 4 prompts: 2
+              "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
+              "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96",
+              "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=96",
+              "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}", "trainer.resume_mode=auto"]
+    rc, out, steps = main_ppo(tmp_path, task, *common, "trainer.total_training_steps=2", name="first")
+    assert rc == 0, out[-6000:]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert "profiled on" in out  # the first step probes and calibrates
+    for s in steps:
+        m = s["data"]
+        assert m["actor/kl_coef"] > 0 and "actor/kl_loss" in m  # the KL loss is on
+        assert m["actor/hilore/plan/predicted_peak_gib"] <= m["actor/hilore/plan/budget_gib"] * 1.0001
+        assert m["actor/hilore/audit/cosine"] >= 0.999, m  # exact plans on this tiny model
+        assert m["actor/hilore/oom_retries"] == 0
+    assert (ckpt / "global_step_2" / "actor").is_dir()
+
+    rc, out, resumed = main_ppo(tmp_path, task, *common, "trainer.total_training_steps=3", name="resumed")
+    assert rc == 0, out[-6000:]
+    assert [s["step"] for s in resumed] == [3]
+    assert "resumed from the checkpoint's costs and calibration" in out and "profiled on" not in out
+    assert resumed[0]["data"]["actor/hilore/audit/cosine"] >= 0.999
+
+
+def test_flag_off_is_stock_verl(tmp_path, task):
+    rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=false",
+                              "trainer.total_training_steps=1")
+    assert rc == 0, out[-6000:]
+    assert len(steps) == 1 and _hilore_keys(steps[0]) == set()
+    assert "hilore-verl: planning" not in out
+    for key in ("actor/pg_loss", "actor/grad_norm", "timing_s/update_actor", "critic/score/mean"):
+        assert key in steps[0]["data"]
+
+
+def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
+    """No project YAML: verl's own ppo_trainer and the command-line overrides recipes/README.md documents."""
+    import verl
+
+    stock = Path(verl.__file__).parent / "trainer" / "config"
+    overrides = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.strategy=fsdp2",
+                 "actor_rollout_ref.ref.strategy=fsdp2",
+                 "actor_rollout_ref.actor._target_=hilore_verl.integration.HiLoReActorConfig",
+                 "+actor_rollout_ref.actor.hilore.enable=true",
+                 # the tiny CPU host (recipes/grpo/tiny_cpu.yaml sets the same)
+                 "trainer.device=cpu", "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                 "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.total_training_steps=1",
+                 "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                 "data.train_batch_size=4", "data.max_prompt_length=16", "data.max_response_length=8",
+                 "data.dataloader_num_workers=0", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=2",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                 "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+                 "transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "ray_kwargs.ray_init.num_cpus=16",
+                 "reward.custom_reward_function.path=pkg://hilore_verl.tiny_task",
+                 "reward.custom_reward_function.name=compute_score"]
+    rc, out, steps = main_ppo(tmp_path, task, *overrides, config_path=stock, config_name="ppo_trainer")
+    assert rc == 0, out[-6000:]
+    assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
