@@ -196,6 +196,33 @@ def test_more_budget_never_slower_and_oom_falls_back_to_recompute(tiny):
     assert rt.plan_of("head").mode.value == "recompute"
 
 
+@pytest.mark.parametrize("ratio", [1.1, 1.5])
+def test_every_micro_batch_fits_its_own_gc_ratio_budget_far_below_the_token_bucket(tiny, ratio):
+    """Plans are cached per token bucket; under gc_ratio the budget shrinks with the micro-batch while
+    fixed costs do not, so a micro-batch far below its bucket's size must not inherit an overshoot."""
+    import dataclasses
+
+    _, rt, _, tokens, costs = tiny
+    costs = _gpu_like(costs)
+    options = costs.options
+
+    def with_fixed_codec_state(unit, n, risk=None):  # compressed state with a per-unit part (e.g. scale padding)
+        return [o if o.name in ("keep", "recompute") else dataclasses.replace(o, memory=o.memory + 2048)
+                for o in options(unit, n, risk)]
+
+    costs.options = with_fixed_codec_state
+    ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", ratio), risk_budget=1.0,
+                     token_bucket=4 * tokens)
+    sizes = [tokens, tokens // 2, tokens // 8, max(1, tokens // 32), 3 * tokens]
+    ctl.begin_mini_batch(exposure_l2=[1.0] * len(sizes), tokens=sizes)
+    for i, n in enumerate(sizes):
+        plan = ctl.plan_micro_batch(i)
+        assert ctl.predicted_peak(plan, n) <= ctl.memory_budget_at(n) * (1 + 1e-9), (n, plan)
+        metrics = ctl.metrics()
+        if i == len(sizes) - 1:
+            assert metrics["hilore/plan/predicted_peak_gib"] <= metrics["hilore/plan/budget_gib"] * (1 + 1e-9)
+
+
 def _plans_on_rank(rank, world_size):
     _, rt, _, tokens, costs = _tiny_probe()
     costs = _gpu_like(costs)

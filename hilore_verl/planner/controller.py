@@ -130,6 +130,11 @@ class Controller:
                 self._cache[key] = plan
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
                 plan = self._solve(l2, tokens, allowance)
+        limit = self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
+        if self.predicted_peak(plan, tokens) > limit:
+            # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
+            # plan can overshoot a micro-batch far below the bucket's size; solve for this one
+            plan = self._solve(l2, tokens, allowance)
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
         self.runtime.set_plan(unit_plans)

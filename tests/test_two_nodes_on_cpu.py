@@ -1,0 +1,60 @@
+"""Two Ray nodes: a local cluster of a head and a second raylet, and the tiny recipe with trainer.nnodes=2,
+one rank per node, HiLoRe on. verl loads the plugin in every Ray worker on both nodes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# A driver script: start the two-node cluster, run main_ppo's entry against it, report where the ranks ran.
+DRIVER = r"""
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+
+# The head holds the trainer, the transfer queue (2 CPUs held) and one rank; the second node one rank.
+# Each node has room for one rank's bundle only (what trainer.nnodes=2 x n_gpus_per_node=1 asks).
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+cluster.add_node(num_cpus=1)
+ray.init(address=cluster.address)
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+assert len(nodes) == 2, nodes
+
+from verl.trainer.main_ppo import main
+sys.argv = ["main_ppo"] + sys.argv[1:]
+try:
+    main()
+finally:
+    ranks = [a for a in ray.util.state.list_actors(filters=[("class_name", "=", "WorkerDict")])]
+    print("RANK_NODES " + json.dumps(sorted({a["node_id"] for a in ranks})), flush=True)
+"""
+
+
+def test_tiny_recipe_on_two_nodes(tmp_path):
+    from hilore_verl.tiny_task import make_tiny_task
+
+    task = make_tiny_task(str(tmp_path / "task"))
+    log = tmp_path / "steps.jsonl"
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    args = ["--config-path", str(REPO / "recipes" / "grpo"), "--config-name", "tiny_cpu",
+            "actor_rollout_ref.actor.hilore.enable=true", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+            "trainer.total_training_steps=2", "trainer.logger=[console,file]",
+            f"actor_rollout_ref.model.path={task}/model", f"data.train_files={task}/train.parquet",
+            f"data.val_files={task}/val.parquet"]
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(driver), *args], capture_output=True, text=True, timeout=900,
+                          env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all("actor/hilore/plan/budget_gib" in s["data"] for s in steps)
+    rank_nodes = json.loads(next(line for line in out.splitlines() if "RANK_NODES" in line).split("RANK_NODES ")[1])
+    assert len(rank_nodes) == 2, out[-3000:]  # one rank on each node
