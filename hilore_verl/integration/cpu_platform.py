@@ -201,6 +201,12 @@ class PlatformCPU(PlatformBase):
         pass
 
     def ray_resource_name(self) -> str:
+        """What each rank's placement bundle asks Ray for: a CPU, or one `cpu_rank` where the cluster's
+        nodes declare that resource (`ray start --resources '{"cpu_rank": N}'`: N ranks per node)."""
+        import ray
+
+        if ray.is_initialized() and ray.cluster_resources().get(RANK_RESOURCE, 0) > 0:
+            return RANK_RESOURCE
         return "CPU"
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
@@ -214,6 +220,9 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
+
+
+RANK_RESOURCE = "cpu_rank"
 
 
 def register_cpu_platform() -> None:

@@ -11,7 +11,8 @@ verl 0.9.1 assumes an accelerator in three places that `main_ppo` reaches throug
 - pinned memory: the FSDP2 engine's CPU offload policy (the ref worker's, forward only) asks for
   pinned host memory, which needs an accelerator; without one it is not pinned;
 - resources: the trainer checks that Ray has as many GPUs (or NPUs) as ranks; on the CPU each rank's
-  placement bundle is a Ray CPU (the CPU platform's resource name), so that is what is counted;
+  placement bundle is a Ray CPU or a `cpu_rank` (the CPU platform's resource name), so that is what
+  is counted;
 - generation: verl's rollouts (vLLM, SGLang, TensorRT-LLM) need an accelerator; the `hf` rollout
   (`hf_rollout.py`, Hugging Face generate) is registered in verl's two rollout registries.
 
@@ -87,11 +88,15 @@ def _count_cpus(module) -> None:
             return check(self)
         import ray
 
-        available = sum(node.get("CPU", 0) for node in ray._private.state.available_resources_per_node().values())
+        from verl.utils.device import get_resource_name
+
+        resource = get_resource_name()  # "CPU", or "cpu_rank" where the nodes declare it (cpu_platform.py)
+        nodes = ray._private.state.available_resources_per_node().values()
+        available = sum(node.get(resource, 0) for node in nodes)
         wanted = sum(n for per_node in self.resource_pool_spec.values() for n in per_node)
         if available < wanted:
-            raise ValueError(f"Ray has {available:g} CPUs available, fewer than the {wanted} ranks asked for "
-                             "(ray_kwargs.ray_init.num_cpus sets how many Ray counts on one node)")
+            raise ValueError(f"Ray has {available:g} {resource} available, fewer than the {wanted} ranks asked "
+                             "for (ray_kwargs.ray_init.num_cpus sets how many CPUs Ray counts on one node)")
 
     manager._check_resource_available = _check_resource_available
 
