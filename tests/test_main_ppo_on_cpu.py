@@ -24,7 +24,7 @@ def task(tmp_path_factory):
 def main_ppo(tmp_path, task, *overrides, name="run", config_path=RECIPES, config_name="tiny_cpu", timeout=900):
     """Run main_ppo; returns (exit status, combined output, per-step metrics as verl's file logger wrote them)."""
     log = tmp_path / f"{name}.jsonl"
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1", "RAY_ADDRESS": "local"}
     paths = [f"actor_rollout_ref.model.path={task}/model", f"data.train_files={task}/train.parquet",
              f"data.val_files={task}/val.parquet"]
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(config_path), "--config-name",

@@ -40,8 +40,12 @@ def watch():  # each rank's rollout server runs on that rank's node (tensor_mode
 threading.Thread(target=watch, daemon=True).start()
 from verl.trainer.main_ppo import main
 sys.argv = ["main_ppo"] + sys.argv[1:]
-main()
-print("RANK_NODES " + json.dumps(rank_nodes), flush=True)
+try:
+    main()
+    print("RANK_NODES " + json.dumps(rank_nodes), flush=True)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
 """
 
 
@@ -57,7 +61,8 @@ def test_tiny_recipe_on_two_nodes(tmp_path):
             "trainer.total_training_steps=2", "trainer.logger=[console,file]",
             f"actor_rollout_ref.model.path={task}/model", f"data.train_files={task}/train.parquet",
             f"data.val_files={task}/val.parquet"]
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1"}
+    env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, str(driver), *args], capture_output=True, text=True, timeout=900,
                           env=env, cwd=tmp_path)
     out = proc.stdout + proc.stderr

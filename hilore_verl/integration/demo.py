@@ -111,7 +111,8 @@ def arm_command(arm: str, config: DemoConfig) -> list[str]:
 def run_arm(arm: str, config: DemoConfig, workdir: str, echo=print) -> dict:
     """One arm through `main_ppo`; its per-step records as verl logged them, and its peak memory."""
     log_path, out_path = os.path.join(workdir, f"{arm}.jsonl"), os.path.join(workdir, f"{arm}.log")
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": log_path, "HYDRA_FULL_ERROR": "1"}
+    # a fresh local Ray per arm, even where another Ray instance runs on this machine
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": log_path, "HYDRA_FULL_ERROR": "1", "RAY_ADDRESS": "local"}
     watcher = _PeakWatcher()
     watcher.start()
     steps: list[dict] = []
