@@ -76,6 +76,22 @@ def test_load_weights_replaces_the_copy_and_refuses_partial_or_foreign_sets(task
         asyncio.run(server.load_weights({**changed, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}))
 
 
+def test_tied_embeddings_load_from_either_name(task, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hilore_verl.tiny_models import save_tiny_model
+
+    server = _server(task)
+    save_tiny_model(str(tmp_path / "tied"), "qwen2", seed=1, vocab_size=16, tie_word_embeddings=True)
+    server.model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tied"), dtype=torch.float32).eval()
+    state = {n: t + 0.5 for n, t in server.state_dict().items()}
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    without_head = {n: t for n, t in state.items() if n != "lm_head.weight"}  # one name of the tied pair
+    asyncio.run(server.load_weights(without_head))
+    assert torch.equal(server.model.lm_head.weight, state["model.embed_tokens.weight"])
+    asyncio.run(server.load_weights(state))  # both names: the same tensor written twice
+
+
 def test_multimodal_inputs_are_refused(task):
     with pytest.raises(NotImplementedError, match="text only"):
         asyncio.run(_server(task).generate(PROMPT, {}, request_id="r", image_data=[object()]))

@@ -75,23 +75,21 @@ class HFGenerateServer:
                 "pid": os.getpid(), "parameters": sum(p.numel() for p in self.model.parameters())}
 
     async def load_weights(self, named: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> int:
-        """Replace the copy's weights with the actor's (HF names); every parameter of the copy must be
-        named except tied ones. Returns how many tensors were loaded."""
+        """Replace the copy's weights with the actor's (HF state-dict names). Every tensor of the copy
+        must arrive, or share its storage with one that does (tied embeddings); a name the copy lacks is
+        an error. Returns how many tensors were loaded."""
         async with self.lock:
-            own = dict(self.model.named_parameters())
-            unknown = sorted(set(named) - set(own) - {n for n, _ in self.model.named_buffers()})
+            own = self.model.state_dict(keep_vars=True)  # tied weights appear under each of their names
+            unknown = sorted(set(named) - set(own))
             if unknown:
                 raise KeyError(f"hf rollout: the actor sent weights the model does not have: {unknown[:5]}")
-            tied = {n for n, p in own.items() if any(p is q for m, q in own.items() if m in named and m != n)}
-            missing = sorted(set(own) - set(named) - tied)
+            arrived = {id(own[n]) for n in named}
+            missing = sorted(n for n in own if n not in named and id(own[n]) not in arrived)
             if missing:
                 raise KeyError(f"hf rollout: the actor's weights miss {missing[:5]}: the copy would be stale")
             with torch.no_grad():
                 for name, tensor in named.items():
-                    target = own.get(name)
-                    if target is None:
-                        target = dict(self.model.named_buffers())[name]
-                    target.copy_(tensor.to(target.dtype))
+                    own[name].copy_(tensor.to(own[name].dtype))
             if global_steps is not None:
                 self.global_steps = global_steps
             return len(named)
