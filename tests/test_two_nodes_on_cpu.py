@@ -19,9 +19,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 # Each node declares one `cpu_rank`: the CPU platform then places one rank's bundle per node, as one
-# GPU per node would (Ray alone may put both bundles on one node). CPUs are logical, for everything else.
+# GPU per node would (Ray alone may put both bundles on one node). CPUs are logical: a rank's bundle
+# holds 3 (verl's max_colocate_count) and the transfer queue 2 more, on either node.
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "resources": {"cpu_rank": 1}})
-cluster.add_node(num_cpus=4, resources={"cpu_rank": 1})
+cluster.add_node(num_cpus=8, resources={"cpu_rank": 1})
 ray.init(address=cluster.address)
 assert len([n for n in ray.nodes() if n["Alive"]]) == 2
 
