@@ -104,3 +104,10 @@ def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
     rc, out, steps = main_ppo(tmp_path, task, *overrides, config_path=stock, config_name="ppo_trainer")
     assert rc == 0, out[-6000:]
     assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
+
+
+def test_legacy_trainer_use_v1_false(tmp_path, task):
+    rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=true", "trainer.use_v1=false",
+                              "trainer.total_training_steps=1")
+    assert rc == 0, out[-6000:]
+    assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
