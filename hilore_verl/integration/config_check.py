@@ -23,6 +23,7 @@ import functools
 import sys
 
 from hilore_verl.integration.after_import import when_imported
+from hilore_verl.integration.cpu_support import HF_ROLLOUT_NAME
 
 
 def hilore_error(err: BaseException) -> str | None:
@@ -42,7 +43,7 @@ def host_error(config) -> str | None:
 
     trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
     device = trainer.get("device", "cuda")
-    if rollout.get("name") == "hf" and device != "cpu":
+    if rollout.get("name") == HF_ROLLOUT_NAME and device != "cpu":
         return (f"actor_rollout_ref.rollout.name=hf is the CPU rollout (Hugging Face generate); with "
                 f"trainer.device={device} use vllm or sglang")
     ray_cpus = config.get("ray_kwargs", {}).get("ray_init", {}).get("num_cpus")

@@ -102,18 +102,20 @@ def _count_cpus(module) -> None:
 
 
 HF_ROLLOUT = "hilore_verl.integration.hf_rollout"
+HF_ROLLOUT_NAME = "hf"  # actor_rollout_ref.rollout.name
 
 
 def _hf_adapter(module) -> None:
     if _on_cpu():
-        module._ROLLOUT_REGISTRY.setdefault(("hf", "async"), f"{HF_ROLLOUT}.HFGenerateAdapter")
+        module._ROLLOUT_REGISTRY.setdefault((HF_ROLLOUT_NAME, "async"), f"{HF_ROLLOUT}.HFGenerateAdapter")
 
 
 def _hf_replica(module) -> None:
     import importlib
 
     if _on_cpu():
-        module.RolloutReplicaRegistry.register("hf", lambda: importlib.import_module(HF_ROLLOUT).HFGenerateReplica)
+        replica = lambda: importlib.import_module(HF_ROLLOUT).HFGenerateReplica  # noqa: E731 (imported when used)
+        module.RolloutReplicaRegistry.register(HF_ROLLOUT_NAME, replica)
 
 
 def install() -> list[str]:

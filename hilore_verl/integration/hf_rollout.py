@@ -30,9 +30,6 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-NAME = "hf"  # actor_rollout_ref.rollout.name
-
-
 def _server_name(replica_rank: int, suffix: str = "") -> str:
     return f"hilore_hf_rollout_{replica_rank}{suffix}"
 
@@ -197,8 +194,8 @@ class HFGenerateReplica(RolloutReplica):
         node_id = ray.get_runtime_context().get_node_id()
         if self.workers:
             node_id = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
-        kind = "reward_" if self.is_reward_model else "teacher_" if self.is_teacher_model else ""
-        name = _server_name(self.replica_rank, f"{kind and '_' + kind.rstrip('_')}{self.name_suffix}")
+        kind = "_reward" if self.is_reward_model else "_teacher" if self.is_teacher_model else ""
+        name = _server_name(self.replica_rank, kind + self.name_suffix)
         strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
         server = ray.remote(HFGenerateServer).options(
             name=name, num_cpus=0, scheduling_strategy=strategy, max_concurrency=self.max_concurrency,

@@ -84,6 +84,10 @@ class Controller:
             return self.budget.value * self.predicted_peak({u.name: "recompute" for u in self.costs.units}, tokens)
         return self.memory_budget
 
+    def _limit(self, tokens: int) -> float:
+        """The peak a plan for `tokens` may predict (the budget, tightened, plus rounding slack)."""
+        return self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
+
     def activation_budget(self, tokens: int) -> float:
         free = (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
                 - self.costs.unmanaged(tokens) - self.costs.transient(tokens))
@@ -130,16 +134,17 @@ class Controller:
                 self._cache[key] = plan
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
                 plan = self._solve(l2, tokens, allowance)
-        limit = self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
-        if self.predicted_peak(plan, tokens) > limit:
+        peak = self.predicted_peak(plan, tokens)
+        if peak > self._limit(tokens):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
             plan = self._solve(l2, tokens, allowance)
+            peak = self.predicted_peak(plan, tokens)
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
         self.runtime.set_plan(unit_plans)
         predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
-        self.history.append(PlanRecord(plan, self.predicted_peak(plan, tokens), predicted_risk, allowance, solve_ms))
+        self.history.append(PlanRecord(plan, peak, predicted_risk, allowance, solve_ms))
         if len(self.history) > HISTORY_KEPT:  # a long run plans millions of micro-batches
             del self.history[:-HISTORY_KEPT // 4]
         return plan
@@ -181,7 +186,7 @@ class Controller:
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
         budget = self.activation_budget(tokens)
-        limit = self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
+        limit = self._limit(tokens)
         best, failure = None, None
         # Units priced one by one overestimate a layer re-run as one region; a second solve credits
         # each layer's region saving to its units' recompute options, and its plan is kept only if
