@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[test]"
 	# the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, tokenizer, data; written here, no download)
 	$(VENV)/bin/hilore-verl tiny-task --out .tiny_cpu
+	# verl's own CPU tests, which its wheel does not carry: from the sdist of the installed release
+	$(PY) -m tests.harness.verl_suite fetch .verl_suite
 	touch $@
 
 install: $(VENV)/.installed
@@ -30,4 +32,4 @@ demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/hilore-verl demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .verl_suite

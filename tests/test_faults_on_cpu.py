@@ -113,12 +113,12 @@ SETTINGS = {"exact": {"risk_budget": 0.0},
 
 
 def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
-    import hilore_verl.integration.hilore_engine as hilore_engine
+    import hilore_verl.session as session_module
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
-    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)  # plans that do not depend on timing
+    session_module.profile = _gpu_like_profile(session_module.profile)  # plans that do not depend on timing
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -129,7 +129,7 @@ def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
                                  hilore={"enable": True, "min_bytes": 1024, "audit_every": 0, **SETTINGS[setting]})
 
     def step(e):
-        torch.manual_seed(1000 + e._step)  # dropout: the same draws in both engines at the same step
+        torch.manual_seed(1000 + e.session.step)  # dropout: the same draws in both engines at the same step
         with e.train_mode():
             return e.train_batch(td.clone(), loss_function=loss_fn)
 
@@ -144,7 +144,7 @@ def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
     for k, point in enumerate(points, start=1):
         row = {"point": point, "defer_sync": defer, "setting": setting}
         for retries in (0, 1):
-            faulty.hilore = dataclasses.replace(faulty.hilore, oom_retries=retries)
+            faulty.session.config = dataclasses.replace(faulty.session.config, oom_retries=retries)
             planned = len(faulty.controller.history)
             disarm = _inject(faulty, point)
             try:
@@ -196,7 +196,7 @@ def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_
 def _no_snapshot(rank, world_size, model_dir, batch):
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
-    from hilore_verl.integration.recovery import StepFailed
+    from hilore_verl.recovery import StepFailed
 
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -221,12 +221,12 @@ def test_without_a_snapshot_a_fault_in_the_optimizer_step_stops_training(tmp_pat
 
 def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     """Faults in the first step's profiling and in an audit; a budget measured from free memory."""
-    import hilore_verl.integration.hilore_engine as hilore_engine
+    import hilore_verl.session as session_module
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
-    hilore_engine.profile = _gpu_like_profile(hilore_engine.profile)
+    session_module.profile = _gpu_like_profile(session_module.profile)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,
@@ -247,11 +247,12 @@ def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     finally:
         disarm()
     result = {"profile_fault": profile_fault, "controller_after_fault": engine.controller is not None,
-              "step_after_fault": engine._step, "unchanged": _same(_state(engine), before),
+              "step_after_fault": engine.session.step, "unchanged": _same(_state(engine), before),
               "grads_left": any(p.grad is not None for p in engine.module.parameters())}
     out = step()
     result["first_audit"] = "hilore/audit/cosine" in out["metrics"]
-    real, calls = engine._surrogate_gradient, []
+    passes = engine.session.passes
+    real, calls = passes.surrogate_gradient, []
 
     def surrogate_fails_once(*args, **kwargs):
         calls.append(1)
@@ -259,10 +260,10 @@ def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
             raise OOM("injected in the audit")
         return real(*args, **kwargs)
 
-    engine._surrogate_gradient = surrogate_fails_once
+    passes.surrogate_gradient = surrogate_fails_once
     out = step()
     result.update(second_audit="hilore/audit/cosine" in out["metrics"], retries=out["metrics"]["hilore/oom_retries"],
-                  step=engine._step, budget_gib=engine.controller.memory_budget / 2**30,
+                  step=engine.session.step, budget_gib=engine.controller.memory_budget / 2**30,
                   gc_peak_gib=engine.controller.gc_peak / 2**30)
     return result
 
@@ -281,7 +282,7 @@ def test_faults_in_profiling_and_audit_and_an_auto_budget(tmp_path):
 @pytest.mark.parametrize("steps_before", [0, 2])
 def test_step_snapshot_restores_parameters_gradients_and_adam_state(steps_before):
     """Plain module, no ranks: whatever a step changed (first-step state included) is put back bitwise."""
-    from hilore_verl.integration.recovery import StepSnapshot
+    from hilore_verl.recovery import StepSnapshot
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -316,7 +317,7 @@ def test_step_snapshot_restores_parameters_gradients_and_adam_state(steps_before
 def _one_rank_fails(rank, world_size, model_dir, batch, point):
     from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
-    from hilore_verl.integration.recovery import StepFailed
+    from hilore_verl.recovery import StepFailed
 
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])

@@ -224,14 +224,27 @@ def test_every_micro_batch_fits_its_own_gc_ratio_budget_far_below_the_token_buck
 
 
 def _plans_on_rank(rank, world_size):
+    """Micro-batches as (exposure, tokens); the session reduces them over the ranks for the controller."""
+    from types import SimpleNamespace
+
+    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.integration.collectives import DataParallel
+    from hilore_verl.session import Session
+
     _, rt, _, tokens, costs = _tiny_probe()
     costs = _gpu_like(costs)
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
+    session = Session(HiLoReConfig(), rt, SimpleNamespace(exposure_l2=lambda mb: mb[0]), DataParallel(None, 30))
+    session.controller = ctl
+
+    def begin(micro_batches):
+        session._begin(micro_batches, tokens=lambda mb: mb[1])
+
     local = [0.0, 0.5] if rank == 0 else [0.8, 0.0]  # different local data on each rank
-    ctl.begin_mini_batch(local, [tokens - 7 * rank, tokens])
+    begin([(local[0], tokens - 7 * rank), (local[1], tokens)])
     plans = [ctl.plan_micro_batch(i) for i in range(2)]
     # the audit's micro-batch: only micro-batch 1 has exposure on any rank (rank 1 has none at all)
-    ctl.begin_mini_batch([0.0, 0.5] if rank == 0 else [0.0, 0.0], [tokens, tokens])
+    begin([(0.0, tokens), (0.5 if rank == 0 else 0.0, tokens)])
     audited = [ctl.audit_micro_batch(step) for step in range(1, 5)]
     return plans, audited
 

@@ -1,7 +1,7 @@
 """Per-mini-batch controller: statistics in, plan out, identical on every data-parallel rank.
 
     ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
-    ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per local micro-batch; all-reduced
+    ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per micro-batch, reduced over ranks
     for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.end_mini_batch(measured_peak_bytes)
     on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
@@ -13,7 +13,7 @@ Memory model of the actor update's peak (what the planner must keep under the bu
 
 Risk: micro-batch i's lossy units may spend sqrt(sum_u risk(u)^2) up to its allowance, the
 mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly over micro-batches
-(in quadrature). Exposures and token counts are all-reduced over the data-parallel group first. A micro-batch with no exposure (all zero-advantage) spends nothing, whatever it
+(in quadrature). Exposures and token counts come reduced over the data-parallel group (session.py). A micro-batch with no exposure (all zero-advantage) spends nothing, whatever it
 compresses; a high-exposure one must keep or recompute more.
 """
 
@@ -23,9 +23,9 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
@@ -55,7 +55,6 @@ class Controller:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     static_bytes: float = 0.0
     risk_budget: float = 0.01
-    group: object = None  # data-parallel process group (None: the default group when initialised)
     token_bucket: int = 256
     free_bytes: float | None = None
     memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
@@ -95,24 +94,15 @@ class Controller:
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int]) -> None:
-        """Per local micro-batch: exposure (L2 of c) and tokens. All-reduced over the data-parallel
-        group (sum of squares, max), so that micro-batch i gets the same plan on every rank."""
+        """Per micro-batch: exposure (L2 of c) and tokens, as figures global to the data-parallel group
+        (the session reduces them: sum of squares, max), so that micro-batch i gets the same plan on
+        every rank."""
         n = len(exposure_l2)
         if n != len(tokens) or n == 0:
             raise ValueError(f"need one exposure and one token count per micro-batch; got {n} and {len(tokens)}")
-        e2 = torch.tensor([e * e for e in exposure_l2], dtype=torch.float64)
-        tok = torch.tensor([float(t) for t in tokens], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            counts = torch.tensor([float(n), -float(n)], dtype=torch.float64)
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
-            if counts[0] != -counts[1]:
-                raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
-                                 "verl splits them with same_micro_num_in_dp=True")
-            dist.all_reduce(e2, op=dist.ReduceOp.SUM, group=self.group)
-            dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=self.group)
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
-        self._allowance2 = (self.risk_budget * grad_scale) ** 2 * float(e2.sum()) / n
-        self._micro = [(math.sqrt(float(a)), int(t)) for a, t in zip(e2, tok)]
+        self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
+        self._micro = [(float(e), int(t)) for e, t in zip(exposure_l2, tokens)]
         self._audit_result = None
 
     def exposure_l2(self, index: int) -> float:
@@ -254,14 +244,14 @@ class Controller:
         every = self.audit.every if self.audit is not None else 1
         return candidates[(step // every) % len(candidates)]
 
-    def record_audit(self, step: int, exact: torch.Tensor, approx: torch.Tensor, exposure_l2: float):
+    def record_audit(self, step: int, exact: torch.Tensor, approx: torch.Tensor, exposure_l2: float,
+                     reduce: Callable[[torch.Tensor], None] | None = None):
         """Feed an audit (exact vs approximate gradient of a sampled micro-batch under the last plan);
         the audit re-scales sensitivities and may tighten the risk budget, which the next plans use.
-        Returns the AuditResult, or None when the exact gradient was zero (nothing recorded or changed).
-        The result's metrics are part of `metrics()` until the next `begin_mini_batch`."""
-        reduce = None
-        if dist.is_available() and dist.is_initialized():  # shards: every rank must see the same result
-            reduce = lambda t: dist.all_reduce(t, group=self.group)  # noqa: E731
+        `exact`, `approx`: flat gradients, or this rank's shards with `reduce` summing over ranks
+        (every rank then records the same result). Returns the AuditResult, or None when the exact
+        gradient was zero (nothing recorded or changed). The result's metrics are part of `metrics()`
+        until the next `begin_mini_batch`."""
         result = self.audit.run(step, exact, approx, self.runtime_plan(self.history[-1].plan), exposure_l2,
                                 reduce=reduce)
         if result is None:

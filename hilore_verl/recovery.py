@@ -152,31 +152,3 @@ class StepStart:
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
         self.runtime.forwards = self.forwards
-
-
-def fault_group(timeout_s: float):
-    """A gloo group over every rank, used only to agree on a fault; its timeout bounds the wait for peers."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def every_rank_failed(group) -> bool:
-    """Called by a rank that failed: True when every rank failed at the same point (each is here too).
-    A rank that failed alone finds its peers inside the step's collectives, not here; after the group's
-    timeout it gets False. A retry must not start then: its collectives would pair with the peers'
-    unrelated ones (same shapes, other layers) and could corrupt the update silently."""
-    import torch.distributed as dist
-
-    if group is None:
-        return True
-    flag = torch.ones(1, dtype=torch.float64)
-    try:
-        dist.all_reduce(flag, group=group)
-    except RuntimeError:  # timed out: a peer is not failing
-        return False
-    return int(flag.item()) == dist.get_world_size(group)

@@ -1,0 +1,385 @@
+"""One HiLoRe training session: what happens around each mini-batch of the actor update.
+
+Free of verl and of torch.distributed. The framework side (integration/hilore_engine.py for verl)
+supplies two small objects:
+
+  Passes       forward + backward passes on its model, the loss coefficients of a micro-batch,
+               and how to forget a failed pass;
+  Collectives  the data-parallel reductions (integration/collectives.py; `SingleProcess` here).
+
+Order of one mini-batch (`Session.train`):
+
+  first call      profile the cost table and calibrate the risk model on a probe (or take both
+                  from a checkpoint), average them over ranks, build the controller
+  every call      step += 1; the controller gets every micro-batch's exposure and tokens,
+                  reduced over ranks; an audit every `audit_every` steps; the framework's
+                  step under out-of-memory retries; the mini-batch's `hilore/*` metrics
+  per micro-batch `before_forward` applies the plan, `after_forward` records the risk spent
+
+A fault anywhere leaves the session as before the call (the step counter too), or is retried
+exactly: see `_train_with_retries` and `optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from hilore_verl.config import HiLoReConfig
+from hilore_verl.planner import Controller, profile
+from hilore_verl.planner.costs import measured_values, set_measured_values
+from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
+from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
+from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_kind
+from hilore_verl.runtime import Runtime, UnitPlan
+
+logger = logging.getLogger("hilore_verl")
+
+
+class Passes(Protocol):
+    """What the session asks of the training framework, for its own micro-batch type."""
+
+    element_size: int  # bytes per element of the activations the model saves
+    has_coefficients: bool  # whether the loss coefficients are known (a risk model can be calibrated)
+
+    def lengths(self, batch) -> list[int]: ...  # tokens per sequence
+    def select(self, batch, index: list[int]): ...  # the sequences `index` of a micro-batch
+    def train_pass(self, batch) -> None: ...  # forward + backward of the training loss, current plan
+    def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor: ...
+    def coefficients(self, batch) -> torch.Tensor: ...  # predicted (on-policy) c of a micro-batch
+    def exposure_l2(self, batch, log_prob=None) -> float: ...  # |c| (+ entropy bound), exact with log_prob
+    def zero_grad(self) -> None: ...
+    def recover(self) -> None: ...  # forget a failed forward / backward (no gradient left), free memory
+    def empty_cache(self) -> None: ...  # return cached device memory (before an optimizer-step retry)
+    def static_bytes(self) -> float: ...  # parameters, gradients and optimizer state on this rank
+    def free_bytes(self) -> float: ...  # device memory available to the update (budget mode "auto")
+
+
+class Collectives(Protocol):
+    """Reductions over the data-parallel ranks; each returns the reduced values on every rank."""
+
+    world_size: int
+
+    def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]: ...  # op: sum, max, min
+    def sum_(self, t: torch.Tensor) -> None: ...  # in place (the audit's float64 sums)
+    def every_rank_failed(self) -> bool: ...  # called by a failing rank: did every rank fail here?
+
+
+class SingleProcess:
+    """One rank: every reduction is the identity."""
+
+    world_size = 1
+
+    def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        return [float(v) for v in values]
+
+    def sum_(self, t: torch.Tensor) -> None:
+        pass
+
+    def every_rank_failed(self) -> bool:
+        return True
+
+
+class Session:
+    def __init__(self, config: HiLoReConfig, runtime: Runtime, passes: Passes, collectives: Collectives | None = None):
+        self.config = config
+        self.runtime = runtime
+        self.passes = passes
+        self.collectives = collectives or SingleProcess()
+        self.controller: Controller | None = None
+        self.step = 0
+        self.retries = 0  # out-of-memory retries in the current mini-batch
+        self.retry_mode: str | None = None  # while retrying: "keep_to_recompute" or "recompute"
+        self._restored: dict | None = None
+        self._micro_index = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict | None:
+        """The controller's state (None before the first mini-batch): identical on every rank."""
+        return self.controller.state_dict() if self.controller is not None else None
+
+    def restore(self, state: dict | None) -> None:
+        """After a checkpoint load: the next mini-batch plans from `state` without probing
+        (None: it profiles and calibrates again)."""
+        self._restored, self.controller = state, None
+
+    # ------------------------------------------------------------------ the controller
+    def _make_controller(self, costs, risk) -> Controller:
+        c = self.config
+        audit = (GradientAudit(risk, risk_budget=c.risk_budget, every=c.audit_every, tolerance=c.audit_tolerance)
+                 if risk is not None and c.audit_every > 0 else None)
+        free = self.passes.free_bytes() if c.budget.mode == "auto" else None  # measured when the actor trains
+        return Controller(self.runtime, costs, risk, c.budget, static_bytes=self.passes.static_bytes(),
+                          risk_budget=c.risk_budget, token_bucket=c.token_bucket, audit=audit,
+                          stochastic=c.stochastic_rounding, free_bytes=free)
+
+    def _build_controller(self, micro_batches: list) -> None:
+        if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
+            state, self._restored = self._restored, None
+            self.controller = self._make_controller(Controller.costs_from_state(state),
+                                                    Controller.risk_from_state(state))
+            self.controller.load_state_dict(state)
+            logger.warning("hilore-verl: resumed from the checkpoint's costs and calibration (%d units, no probes)",
+                           len(self.runtime.units))
+            return
+        passes, c = self.passes, self.config
+        bound = probe_token_bound(c.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
+        probe = self._probe(micro_batches[0], bound)  # whole sequences, at most `bound` tokens
+        lengths = passes.lengths(probe)
+        half = half_probe(lengths, list(range(len(lengths))))
+        # ranks run the same probe passes (FSDP collectives): the half probe only where every rank has one
+        every = self.collectives.reduce([float(half is not None)], "min")[0]
+        small = passes.select(probe, half) if half is not None and every else None
+
+        def run(batch):
+            return lambda: passes.train_pass(batch)
+
+        costs = profile(self.runtime, run(probe), sum(lengths), element_size=passes.element_size,
+                        formats=c.formats, offload=c.offload, group_size=c.group_size,
+                        small=None if small is None else (run(small), sum(passes.lengths(small))))
+        risk = None
+        if c.risk_budget > 0 and passes.has_coefficients:
+            # calibrate on the local micro-batch with the most exposure
+            exposures = [passes.coefficients(mb) for mb in micro_batches]
+            best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
+            batch = self._probe(micro_batches[best], bound, priority=exposures[best].pow(2).sum(-1).tolist())
+            coeff = passes.coefficients(batch)  # the most exposed sequences that fit the bound
+            risk = calibrate_by_kind(lambda plan: self._surrogate(plan, batch, coeff),
+                                     [u.name for u in self.runtime.units], float(coeff.pow(2).sum().sqrt()),
+                                     fmts=c.formats[:1], group_size=c.group_size, model=RiskModel())
+        self._average_over_ranks(costs, risk)
+        passes.zero_grad()
+        self.runtime.set_plan({})
+        self.controller = self._make_controller(costs, risk)
+        largest = max(sum(passes.lengths(mb)) for mb in micro_batches)
+        gc_peak = self.controller.predicted_peak({u.name: "recompute" for u in costs.units}, largest)
+        logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB at %d tokens per "
+                       "micro-batch) with %d units, profiled on %d tokens", self.controller.memory_budget_at(largest)
+                       / 2**30, gc_peak / 2**30, largest, len(costs.units), costs.tokens)
+
+    def _probe(self, micro_batch, bound: int, priority=None):
+        """Whole sequences of `micro_batch` up to `bound` tokens (planner/probe.py)."""
+        lengths = self.passes.lengths(micro_batch)
+        index = probe_indices(lengths, bound, priority)
+        return micro_batch if len(index) == len(lengths) else self.passes.select(micro_batch, index)
+
+    def _surrogate(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor:
+        """This rank's gradient of sum_t c_t log p_t under `plan`; units it does not name are
+        recomputed (exact, and the least memory)."""
+        full = {u.name: "recompute" for u in self.runtime.units}
+        full.update(plan)
+        return self.passes.surrogate_gradient(full, batch, c)
+
+    def _average_over_ranks(self, costs, risk) -> None:
+        """Every rank must plan from the same numbers: average the measured ones (a fixed-length
+        vector on every rank; a sensitivity only where some rank measured it)."""
+        if self.collectives.world_size == 1:
+            return
+        names = [u.name for u in costs.units]
+        figures = measured_values(costs)
+        values = figures + [float(costs.tokens)]
+        if risk is not None:
+            for n in names:  # (sum of log sensitivity, how many ranks measured it)
+                measured = n in risk.sensitivity
+                values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
+            values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
+        world = self.collectives.world_size
+        it = iter(self.collectives.reduce(values, "sum"))
+        set_measured_values(costs, [next(it) / world for _ in figures])
+        costs.tokens = int(round(next(it) / world))
+        if risk is not None:
+            risk.sensitivity.clear()
+            for n in names:
+                total, count = next(it), next(it)
+                if count:
+                    risk.sensitivity[n] = math.exp(total / count)
+            total, count = next(it), next(it)
+            risk.grad_scale = total / count if count else None
+
+    # ------------------------------------------------------------------ one mini-batch
+    def train(self, micro_batches: list, step: Callable[[], Any], tokens: Callable[[Any], int]) -> tuple[Any, dict]:
+        """One mini-batch: `step()` runs the framework's own forward, backward and optimizer step
+        over `micro_batches` (this rank's, as the framework splits them), calling `before_forward`
+        and `after_forward` around each training forward. Returns step()'s result and the
+        mini-batch's metrics. On any fault the session is as before the call."""
+        start_step = self.step
+        try:
+            return self._train(micro_batches, step, tokens)
+        except BaseException:
+            self.step = start_step  # the mini-batch did not happen
+            self._recover()
+            raise
+
+    def _train(self, micro_batches, step, tokens):
+        if self.controller is None:
+            self._build_controller(micro_batches)
+        self.step += 1
+        self._begin(micro_batches, tokens)
+        if self.controller.audit_due(self.step) and self.passes.has_coefficients:
+            failed = False
+            try:
+                self._audit(micro_batches)  # its metrics are in controller.metrics() for this mini-batch only
+            except torch.OutOfMemoryError:
+                failed = True  # an audit is worth less than the step: skip it, train
+            if failed:
+                self._recover()
+                if not self.collectives.every_rank_failed():
+                    raise StepFailed(f"hilore-verl: out of memory in the gradient audit at step {self.step} on "
+                                     "this rank only; training stops here with this rank's state as before the step")
+                logger.warning("hilore-verl: out of memory in the gradient audit at step %d; audit skipped", self.step)
+        out = self._train_with_retries(step)
+        metrics = self.controller.metrics()
+        metrics["hilore/oom_retries"] = float(self.retries)
+        return out, metrics
+
+    def _begin(self, micro_batches, tokens) -> None:
+        """Every micro-batch's predicted exposure (on-policy point) and tokens, reduced over ranks
+        (sum of squares, max) so that micro-batch i gets the same plan on every rank."""
+        n = len(micro_batches)
+        high, low = self.collectives.reduce([float(n), -float(n)], "max")
+        if high != -low:
+            raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
+                             "verl splits them with same_micro_num_in_dp=True")
+        squares = self.collectives.reduce([self.passes.exposure_l2(mb) ** 2 for mb in micro_batches], "sum")
+        counts = self.collectives.reduce([float(tokens(mb)) for mb in micro_batches], "max")
+        self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts])
+
+    def _audit(self, micro_batches):
+        """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes).
+
+        The surrogate sum_t c_t log p_t measures the c part of the update, so the micro-batch is chosen
+        by the L2 of c (reduced over ranks: every rank audits the same index) and its prediction uses
+        that exposure, without the entropy bound planning adds. No micro-batch with exposure, or a
+        zero exact gradient: None, and nothing is recorded or changed."""
+        coefficients = [self.passes.coefficients(mb) for mb in micro_batches]
+        squares = self.collectives.reduce([float(c.double().pow(2).sum()) for c in coefficients], "sum")
+        exposure_l2 = [math.sqrt(s) for s in squares]
+        index = self.controller.audit_micro_batch(self.step, exposure_l2)
+        if index is None:
+            return None
+        batch, c = micro_batches[index], coefficients[index]
+        plan = self.controller.plan_micro_batch(index)
+        approx = self._surrogate(self.controller.runtime_plan(plan), batch, c)
+        exact = self._surrogate({}, batch, c)
+        self.passes.zero_grad()
+        return self.controller.record_audit(self.step, exact, approx, exposure_l2[index],
+                                            reduce=None if self.collectives.world_size == 1 else self.collectives.sum_)
+
+    def _train_with_retries(self, step):
+        """The framework's step. Out of device memory in a forward, backward or gradient sync, on every
+        rank: put the step back (the framework's pass state and gradients, RNG, the runtime's seeds)
+        and retry it; the first retry runs each micro-batch's own plan with kept units recomputed
+        (bitwise the update the step would have made), later ones recompute every unit (the exact
+        gradient). In the optimizer step: `optimizer_step` restores and retries it. A fault on some
+        ranks only, any other exception, or no retry left: the step is put back and the error raised.
+        After a retry, later plans are 10% tighter."""
+        self.retries = 0
+        start = StepStart(self.runtime)
+        try:
+            while True:
+                self._micro_index = 0
+                try:
+                    return step()
+                except torch.OutOfMemoryError as err:
+                    if self.retries >= self.config.oom_retries:
+                        self._fail(start, f"out of memory at step {self.step} after {self.retries} retries")
+                        raise
+                    message = str(err).splitlines()[0] if str(err) else "out of memory"
+                except BaseException:
+                    self._fail(start, None)
+                    raise
+                # outside the except block: the failed attempt's graph went with its traceback
+                self._recover()
+                self._agree_or_raise(start, message)
+                start.restore()
+                self.retries += 1
+                self.retry_mode = "keep_to_recompute" if self.retries == 1 else "recompute"
+                logger.warning("hilore-verl: %s at step %d; retry %d/%d with %s, planning 10%% tighter from now on",
+                               message, self.step, self.retries, self.config.oom_retries,
+                               "kept units recomputed" if self.retries == 1 else "every unit recomputed")
+        finally:
+            self.retry_mode = None
+            if self.retries:
+                self.controller.on_oom()  # tighten future plans (the retry planned as the failed attempt did)
+
+    def _fail(self, start: StepStart, message: str | None) -> None:
+        """A loud end to the step: everything as before it, then the caller raises."""
+        self._recover()
+        start.restore()
+        if message is not None:
+            logger.error("hilore-verl: %s; parameters, optimizer state and RNG are as before the step", message)
+
+    def _agree_or_raise(self, start: StepStart, what: str) -> None:
+        """Retry only when every rank failed here; a rank that failed alone stops the job."""
+        if not self.collectives.every_rank_failed():
+            start.restore()
+            raise StepFailed(f"hilore-verl: {what} at step {self.step} on this rank only (the other ranks did "
+                             f"not fail within hilore.fault_timeout_s={self.config.fault_timeout_s} s); a retry "
+                             "would pair its collectives with theirs, so training stops here with this rank's "
+                             "state as before the step")
+
+    def _recover(self) -> None:
+        """Forget a failed forward / backward: runtime ready, the framework's pass state reset."""
+        self.runtime.reset()
+        self.passes.recover()
+
+    # ------------------------------------------------------------------ per micro-batch
+    def before_forward(self) -> int:
+        """Before a training micro-batch's forward: apply its plan; returns its index."""
+        index, self._micro_index = self._micro_index, self._micro_index + 1
+        if self.retry_mode == "recompute":
+            self.runtime.set_plan({u.name: "recompute" for u in self.runtime.units})
+        else:
+            plan = self.controller.plan_micro_batch(index)
+            if self.retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
+                self.runtime.set_plan(self.controller.runtime_plan(
+                    {u: "recompute" if m == "keep" else m for u, m in plan.items()}))
+        return index
+
+    def records_risk(self) -> bool:
+        """Whether `after_forward` wants the exact exposure (coefficients known, not a retry)."""
+        return self.passes.has_coefficients and self.retry_mode is None
+
+    def after_forward(self, index: int, exposure_l2_exact: float) -> None:
+        """After its forward, before its backward: the risk spent, from the exact coefficients."""
+        self.controller.after_forward(index, exposure_l2_exact)
+
+    # ------------------------------------------------------------------ the optimizer step
+    def optimizer_step(self, step: Callable[[], Any], snapshot: StepSnapshot | None):
+        """The framework's optimizer step (clip + step), undone on any fault from `snapshot` (taken
+        just before); an out-of-memory error is then retried exactly (same gradients, same state)
+        within oom_retries."""
+        while True:
+            retry = False
+            try:
+                return step()
+            except torch.OutOfMemoryError:
+                if snapshot is None:
+                    raise StepFailed("hilore-verl: out of memory inside the optimizer step, which may have updated "
+                                     "some parameters already; with hilore.step_snapshot=false it cannot be undone: "
+                                     "resume from the last checkpoint") from None
+                snapshot.restore()
+                if self.retries >= self.config.oom_retries:
+                    raise
+                retry = True
+            except BaseException as err:
+                if snapshot is None:
+                    raise StepFailed(f"hilore-verl: the optimizer step failed ({type(err).__name__}) and may have "
+                                     "updated some parameters already; with hilore.step_snapshot=false it cannot "
+                                     "be undone: resume from the last checkpoint") from err
+                snapshot.restore()
+                raise
+            if retry:  # outside the except block
+                self.passes.empty_cache()
+                if not self.collectives.every_rank_failed():
+                    raise StepFailed(f"hilore-verl: out of memory in the optimizer step at step {self.step} on this "
+                                     "rank only; training stops here with this rank's state as before the step")
+                self.retries += 1
+                logger.warning("hilore-verl: out of memory in the optimizer step at step %d; state restored, "
+                               "retry %d/%d", self.step, self.retries, self.config.oom_retries)
+
+
+__all__ = ["Collectives", "Passes", "Session", "SingleProcess"]

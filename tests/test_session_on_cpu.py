@@ -1,0 +1,238 @@
+"""The session (session.py) without verl: a plain PyTorch model, its own passes and optimizer.
+
+What verl's engine delegates to the session is checked here on its own: probing once, exact
+keep / recompute updates, out-of-memory retries that give the uninterrupted update, a failure
+that leaves the session and the model as before, a restored state that plans without probing,
+and measured numbers averaged over two gloo ranks field by field.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import hilore_verl
+import hilore_verl.session as session_module
+from hilore_verl.config import HiLoReConfig
+from hilore_verl.planner.costs import measured_values
+from hilore_verl.recovery import StepSnapshot, reset_after_failure
+from hilore_verl.session import Session
+from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from tests.harness.distributed import run_on_ranks
+from tests.harness.models import response_log_probs
+
+WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=40)
+
+
+def _micro_batches(seed: int) -> list[dict]:
+    """Two micro-batches of four sequences, with loss coefficients c = advantage / response tokens."""
+    batch = make_grpo_batch(WORKLOAD, seed=seed)
+    mask = batch["response_mask"].float()
+    batch["c"] = batch["advantages"] * mask / mask.sum()
+    return [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
+
+
+class PlainPasses:
+    """session.Passes for a plain model: the loss is -sum_t c_t log p_t."""
+
+    element_size = 4
+    has_coefficients = True
+
+    def __init__(self, model, runtime, optimizer):
+        self.model, self.runtime, self.optimizer = model, runtime, optimizer
+
+    def lengths(self, batch):
+        return batch["attention_mask"].sum(-1).tolist()
+
+    def select(self, batch, index):
+        return {k: v[index] for k, v in batch.items()}
+
+    def train_pass(self, batch):
+        self.model.zero_grad(set_to_none=True)
+        (-(response_log_probs(self.model, batch) * batch["c"]).sum()).backward()
+
+    def surrogate_gradient(self, plan, batch, c):
+        self.runtime.set_plan(plan)
+        self.model.zero_grad(set_to_none=True)
+        (response_log_probs(self.model, batch) * c).sum().backward()
+        return torch.cat([p.grad.flatten() for p in self.model.parameters()])
+
+    def coefficients(self, batch):
+        return batch["c"]
+
+    def exposure_l2(self, batch, log_prob=None):
+        return float(batch["c"].norm())
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def recover(self):
+        reset_after_failure(self.model, self.optimizer)
+
+    def empty_cache(self):
+        pass
+
+    def static_bytes(self):
+        return float(sum(p.numel() * 16 for p in self.model.parameters()))
+
+    def free_bytes(self):
+        raise AssertionError("only a budget of mode auto asks for free memory")
+
+
+def _trainer(managed: bool, **config):
+    """A model, its optimizer and a `train(micro_batches)` that runs one mini-batch (through a
+    session when `managed`) and returns its metrics."""
+    model = build_tiny_model("qwen2", seed=0).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = None
+    if managed:
+        runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
+        session = Session(HiLoReConfig(enable=True, min_bytes=1024, **config), runtime,
+                          PlainPasses(model, runtime, optimizer))
+    snapshot = StepSnapshot(model, optimizer)
+
+    def step(micro_batches):
+        optimizer.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            index = session.before_forward() if session else None
+            loss = -(response_log_probs(model, mb) * mb["c"]).sum()
+            if session and session.records_risk():
+                session.after_forward(index, float(mb["c"].norm()))
+            loss.backward()
+        if session:
+            return session.optimizer_step(optimizer.step, snapshot.take())
+        optimizer.step()
+
+    def train(micro_batches):
+        if session is None:
+            step(micro_batches)
+            return {}
+        _, metrics = session.train(micro_batches, lambda: step(micro_batches), lambda mb: int(mb["attention_mask"].sum()))
+        return metrics
+
+    return model, optimizer, session, train
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _oom_once_in(model, forward_index: int):
+    """Raise an out-of-memory error in the `forward_index`-th training forward of layer 1's MLP."""
+    calls = []
+
+    def hook(module, args, output):
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return output  # recomputes inside backward are not training forwards
+        calls.append(1)
+        if len(calls) - 1 == forward_index:
+            raise torch.OutOfMemoryError("injected")
+        return output
+
+    return model.model.layers[1].mlp.register_forward_hook(hook)
+
+
+@pytest.fixture
+def counted_profiles(monkeypatch):
+    calls = []
+    real = session_module.profile
+    monkeypatch.setattr(session_module, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_keep_and_recompute_plans_update_bitwise_as_plain_pytorch(counted_profiles):
+    model, _, session, train = _trainer(True, risk_budget=0.0)  # no risk model: keep / recompute only
+    plain, _, _, plain_train = _trainer(False)
+    for step in range(3):
+        metrics = train(_micro_batches(step))
+        plain_train(_micro_batches(step))
+        assert metrics["hilore/oom_retries"] == 0.0 and "hilore/plan/predicted_peak_gib" in metrics
+    assert counted_profiles == [1] and session.step == 3
+    modes = {m for record in session.controller.history for m in record.plan.values()}
+    assert modes <= {"keep", "recompute"}, modes
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(plain)))
+
+
+def test_an_out_of_memory_error_retries_to_the_uninterrupted_update():
+    model, _, session, train = _trainer(True, risk_budget=0.0)
+    reference, _, _, reference_train = _trainer(True, risk_budget=0.0)
+    for trainer in (train, reference_train):
+        trainer(_micro_batches(0))
+    handle = _oom_once_in(model, 1)  # the second micro-batch's forward
+    try:
+        metrics = train(_micro_batches(1))
+    finally:
+        handle.remove()
+    reference_train(_micro_batches(1))
+    assert metrics["hilore/oom_retries"] == 1.0 and session.step == 2
+    assert session.controller.memory_factor == pytest.approx(0.9)  # later plans are 10% tighter
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(reference)))
+
+
+def test_a_failed_step_leaves_the_session_and_the_model_as_before():
+    model, optimizer, session, train = _trainer(True, risk_budget=0.0, oom_retries=0)
+    train(_micro_batches(0))
+    before, moments = _params(model), {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items()}
+    handle = _oom_once_in(model, 0)
+    with pytest.raises(torch.OutOfMemoryError):
+        train(_micro_batches(1))
+    handle.remove()
+    assert session.step == 1 and session.retry_mode is None
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), before))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(s["exp_avg"], moments[id(p)]) for p, s in optimizer.state.items())
+    assert train(_micro_batches(1))["hilore/oom_retries"] == 0.0  # and it trains on
+
+
+def test_a_fault_in_the_optimizer_step_is_undone_from_the_snapshot():
+    model, optimizer, session, train = _trainer(True, risk_budget=0.0)
+    train(_micro_batches(0))
+    before = _params(model)
+    real = optimizer.step
+
+    def fails(*args, **kwargs):
+        real(*args, **kwargs)  # parameters and moments updated, then the fault
+        raise ValueError("injected after the update")
+
+    optimizer.step = fails
+    with pytest.raises(ValueError, match="injected"):
+        train(_micro_batches(1))
+    del optimizer.step
+    assert session.step == 1 and all(torch.equal(a, b) for a, b in zip(_params(model), before))
+
+
+def test_a_restored_state_plans_without_probing(counted_profiles):
+    _, _, first, train = _trainer(True, risk_budget=0.5, audit_every=1)
+    metrics = train(_micro_batches(0))
+    assert "hilore/audit/cosine" in metrics  # calibrated and audited
+    state = first.state_dict()
+    _, _, resumed, resumed_train = _trainer(True, risk_budget=0.5, audit_every=1000)  # no audit rescales it
+    resumed.restore(state)
+    resumed_train(_micro_batches(1))
+    assert counted_profiles == [1]
+    assert resumed.controller.state_dict()["costs"] == state["costs"]
+    assert resumed.controller.risk.sensitivity == pytest.approx(state["risk"]["sensitivity"])
+
+
+def _averaged(rank, world_size):
+    from hilore_verl.integration.collectives import DataParallel
+
+    model = build_tiny_model("qwen2", seed=0).train()
+    runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
+    session = Session(HiLoReConfig(enable=True), runtime, PlainPasses(model, runtime, None), DataParallel(None, 30))
+    batch = _micro_batches(0)[0]
+    costs = session_module.profile(runtime, lambda: PlainPasses(model, runtime, None).train_pass(batch), 100)
+    # each rank measured different numbers: rank r's are (r + 1) times a common table
+    values = [v * (rank + 1) for v in measured_values(costs)]
+    session_module.set_measured_values(costs, values)
+    costs.tokens = 100 * (rank + 1)
+    session._average_over_ranks(costs, None)
+    return values, measured_values(costs), costs.tokens, [f.name for f in dataclasses.fields(costs.units[0])]
+
+
+def test_ranks_average_every_measured_field():
+    (ones, avg0, tokens0, fields), (twos, avg1, tokens1, _) = run_on_ranks(_averaged, 2)
+    assert avg0 == avg1 and tokens0 == tokens1 == 150
+    assert avg0 == pytest.approx([(a + b) / 2 for a, b in zip(ones, twos)])
+    assert {"saved_bytes", "held_bytes", "forward_s", "saved_quadratic"} <= set(fields)
