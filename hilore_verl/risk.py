@@ -139,14 +139,17 @@ def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: S
 
 
 def calibrate_by_kind(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
-                      group_size: int = 64, model: RiskModel | None = None) -> RiskModel:
-    """`calibrate` on one unit per kind (the middle layer's, and the head), under GC's plan; every
-    unit of a kind then shares its sensitivity (audits re-scale units one by one afterwards)."""
-    reps = representatives(list(units))
+                      group_size: int = 64, model: RiskModel | None = None,
+                      groups: dict[str, str] | None = None) -> RiskModel:
+    """`calibrate` on one unit per group (`groups`: unit -> group, default the name within the layer;
+    the middle layer's, and the head), under GC's plan; every unit of a group then shares its
+    sensitivity (audits re-scale units one by one afterwards)."""
+    groups = groups or {n: unit_kind(n) for n in units}
+    reps = representatives(list(units), groups)
     gc_plan = {n: "recompute" for n in units if n.startswith("layers.")}
     model = calibrate(grad_fn, list(reps.values()), exposure_l2, fmts, group_size, model, base=gc_plan)
     for n in units:
-        rep = reps[unit_kind(n)]
+        rep = reps[groups[n]]
         if rep in model.sensitivity and n != rep:
             model.share(n, rep)
     return model

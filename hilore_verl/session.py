@@ -149,7 +149,8 @@ class Session:
             coeff = passes.coefficients(batch)  # the most exposed sequences that fit the bound
             risk = calibrate_by_kind(lambda plan: self._surrogate(plan, batch, coeff),
                                      [u.name for u in self.runtime.units], float(coeff.pow(2).sum().sqrt()),
-                                     fmts=c.formats[:1], group_size=c.group_size, model=RiskModel())
+                                     fmts=c.formats[:1], group_size=c.group_size, model=RiskModel(),
+                                     groups={u.name: u.group for u in self.runtime.units})
         self._average_over_ranks(costs, risk)
         passes.zero_grad()
         self.runtime.set_plan({})

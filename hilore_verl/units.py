@@ -10,6 +10,12 @@ A unit owns the saved tensors *produced* by its modules. Per decoder layer i:
     layers.i.mlp.act     the MLP module's own code       kind "act"        activation function and gating product
     head                 final norm and lm_head          kind "head"
 
+That is the map of the pre-norm families (Qwen2/2.5/3, Llama, Mistral). Other families have their
+own (unit_maps.py): norms after the sub-block (OLMo-2) or on both sides (Gemma-2/3), fused
+projections (Phi-3), and MoE layers, whose MLP splits into mlp.router (kind "router"),
+mlp.experts ("experts"), mlp.shared ("shared_experts", where the family has them) and the MoE
+block's own code (mlp.act).
+
 "Own code" means the module's forward minus the children that belong to another unit: the
 attention module's own code is everything between its projections (RoPE, q/k norms, SDPA).
 Each unit lists the modules whose forward it owns; a plan may address a unit by name or a group
@@ -22,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-KINDS = ("norm", "proj", "attn_core", "act", "head")
+from hilore_verl.unit_maps import KINDS, guess_map, map_for, resolve_block  # noqa: F401  (KINDS: re-exported)
 
 
 @dataclass(eq=False)
@@ -33,13 +39,12 @@ class RecoveryUnit:
     modules: list[nn.Module] = field(default_factory=list, repr=False)
     block: nn.Module | None = field(default=None, repr=False)  # the decoder block it belongs to
     index: int = -1  # position in the runtime's unit list
+    group: str = ""
+    """Units that share shapes, costs and calibration: the name within the layer ("mlp.act"), with the
+    layer variant appended where layers differ ("mlp.act/v1": e.g. an MoE layer after dense ones)."""
 
     def __repr__(self) -> str:
         return f"RecoveryUnit({self.name!r}, kind={self.kind!r}, modules={len(self.modules)})"
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
 
 
 def _find_decoder(model: nn.Module) -> tuple[nn.ModuleList, nn.Module | None, nn.Module | None]:
@@ -58,62 +63,47 @@ def _find_decoder(model: nn.Module) -> tuple[nn.ModuleList, nn.Module | None, nn
     return layers, final_norm, head
 
 
-def _split_block(block: nn.Module, prefix: str, index: int) -> list[RecoveryUnit]:
-    """Units of one decoder block, from its children: norms, attention (has q/k/v/o), MLP (the rest)."""
-    attn = mlp = None
-    norms = []
-    for name, child in block.named_children():
-        if _is_norm(child):
-            norms.append((name, child))
-        elif "attn" in name or "attention" in name:
-            attn = child
-        elif "mlp" in name or "feed_forward" in name or "ffn" in name:
-            mlp = child
-    if attn is None or mlp is None or len(norms) != 2:
-        raise ValueError(f"decoder block {type(block).__name__} at {prefix} is not norm/attention/norm/MLP shaped; "
-                         f"found children {[n for n, _ in block.named_children()]}")
-    by_name = dict(norms)
-    attn_norm = by_name.get("input_layernorm", norms[0][1])
-    mlp_norm = by_name.get("post_attention_layernorm", norms[1][1])
-    attn_proj = [c for c in attn.children() if isinstance(c, nn.Linear)]
-    mlp_proj = [c for c in mlp.children() if isinstance(c, nn.Linear)]
-    return [
-        RecoveryUnit(f"{prefix}.attn.norm", "norm", index, [attn_norm]),
-        RecoveryUnit(f"{prefix}.attn.proj", "proj", index, attn_proj),
-        RecoveryUnit(f"{prefix}.attn.core", "attn_core", index, [attn]),
-        RecoveryUnit(f"{prefix}.mlp.norm", "norm", index, [mlp_norm]),
-        RecoveryUnit(f"{prefix}.mlp.proj", "proj", index, mlp_proj),
-        RecoveryUnit(f"{prefix}.mlp.act", "act", index, [mlp]),
-    ]
-
-
 def unit_kind(name: str) -> str:
-    """Units that share shapes across decoder layers: "attn.norm" for "layers.3.attn.norm"; the head is its own."""
+    """The name within the layer: "attn.norm" for "layers.3.attn.norm"; the head is its own."""
     return name.split(".", 2)[-1] if name.startswith("layers.") else name
 
 
-def representatives(names: list[str]) -> dict[str, str]:
-    """One unit per kind, from the middle decoder layer (the head as itself): kind -> unit name."""
-    layers = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
-    middle = f"layers.{layers[len(layers) // 2]}." if layers else None
+def representatives(names: list[str], groups: dict[str, str] | None = None) -> dict[str, str]:
+    """One unit per group (default: per name within the layer), from the middle one of the decoder
+    layers that have the group (the head as itself): group -> unit name."""
+    groups = groups or {n: unit_kind(n) for n in names}
+    layers: dict[str, list[int]] = {}
+    for n in names:
+        if n.startswith("layers."):
+            layers.setdefault(groups[n], []).append(int(n.split(".")[1]))
     out = {}
     for n in names:
-        if not n.startswith("layers.") or n.startswith(middle):
-            out.setdefault(unit_kind(n), n)
+        g = groups[n]
+        if not n.startswith("layers."):
+            out.setdefault(g, n)
+        elif int(n.split(".")[1]) == sorted(layers[g])[len(layers[g]) // 2]:
+            out.setdefault(g, n)
     return out
 
 
 def find_units(model: nn.Module) -> list[RecoveryUnit]:
-    """The model's recovery units in forward order, each with a stable name."""
+    """The model's recovery units in forward order, each with a stable name, from its family's unit
+    map (unit_maps.py); ValueError, before anything is changed, when a block is not mapped completely."""
     layers, final_norm, lm_head = _find_decoder(model)
+    specs, source = map_for(model)
     units: list[RecoveryUnit] = []
+    variants: dict[tuple, int] = {}  # layer signature (its units and their module types) -> variant number
     for i, block in enumerate(layers):
-        for unit in _split_block(block, f"layers.{i}", i):
-            unit.block = block
-            units.append(unit)
+        found = resolve_block(block, specs or guess_map(block), f"layers.{i}", source, every_unit=not specs)
+        signature = (type(block).__name__, tuple((spec.name, tuple(type(m).__name__ for m in modules))
+                                                 for spec, modules in found))
+        variant = variants.setdefault(signature, len(variants))
+        for spec, modules in found:
+            units.append(RecoveryUnit(f"layers.{i}.{spec.name}", spec.kind, i, modules, block,
+                                      group=spec.name if variant == 0 else f"{spec.name}/v{variant}"))
     head_modules = [m for m in (final_norm, lm_head) if m is not None]
     if head_modules:
-        units.append(RecoveryUnit("head", "head", None, head_modules))
+        units.append(RecoveryUnit("head", "head", None, head_modules, group="head"))
     for i, unit in enumerate(units):
         unit.index = i
     return units

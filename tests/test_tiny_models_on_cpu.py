@@ -4,20 +4,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hilore_verl.tiny_models import FAMILIES, build_tiny_model, save_tiny_model, tiny_config
+from hilore_verl.tiny_models import FAMILIES, attention_of, build_tiny_model, save_tiny_model, tiny_config
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_builds_and_runs(family, tmp_path):
     model = build_tiny_model(family, seed=0)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention_of(family)
     assert not model.config.tie_word_embeddings
     ids = torch.randint(0, 512, (2, 9))
     logits = model(ids, use_cache=False).logits
     assert logits.shape == (2, 9, 512) and torch.isfinite(logits).all()
     assert torch.equal(logits, build_tiny_model(family, seed=0)(ids, use_cache=False).logits)
     loaded = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / family, family, seed=0),
-                                                  attn_implementation="sdpa")
+                                                  attn_implementation=attention_of(family))
     assert torch.equal(logits, loaded(ids, use_cache=False).logits)
 
 

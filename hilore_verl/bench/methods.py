@@ -181,7 +181,7 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
             return torch.cat([p.grad.flatten() for p in method.model.parameters() if p.grad is not None])
 
         risk = calibrate_by_kind(grad_fn, [u.name for u in runtime.units], float(probe["coef"].pow(2).sum().sqrt()),
-                                 fmts=("int8",), model=RiskModel())
+                                 fmts=("int8",), model=RiskModel(), groups={u.name: u.group for u in runtime.units})
     method.optimizer.zero_grad(set_to_none=True)
     # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
     method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model),

@@ -75,7 +75,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     held = None
     if built.runtime is not None:
         stats = built.runtime.stats()
-        held = stats.stored_bytes + stats.unmanaged_bytes
+        held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}
 
 

@@ -139,10 +139,11 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
     finally:
         for h in handles:
             h.remove()
-    totals = {u.name: 0.0 for u in runtime.units}
+    totals: dict[str, float] = {}  # only units that ran
     for name, start, end, children in calls:
         elapsed = clock.seconds(start, end)
-        totals[name] += elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
+        own = elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
+        totals[name] = totals.get(name, 0.0) + own
     return totals
 
 
@@ -167,15 +168,17 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     its time); without it every figure scales linearly.
 
     Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
-    as HF checkpointing keeps it) except in one probed layer (the middle one), so a probe holds at
-    most GC's peak plus one layer's activations. The probed layer's figures stand for every layer
-    of the same unit kind (decoder layers share their shapes). Every probe times every unit's own
-    forward (CUDA events: no synchronization per call); a unit's time is its fastest.
+    as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
+    one layer's activations. There is one probed layer per layer variant (layers whose units have
+    the same groups, units.py: e.g. the dense and the MoE layers of DeepSeek-V3), the middle one of
+    its variant; its figures stand for every unit of the same group. Every probe times every unit's
+    own forward (CUDA events: no synchronization per call); a unit's time is its fastest. A unit
+    that never ran is a unit map that does not fit the model: ValueError.
 
         1. GC's plan                                what a layer recomputed as one region holds
-        2. the probed layer kept                    saved bytes per kind
-        3. the probed layer and the head int8       the compressible share per kind
-        4. per kind: recomputed in the probed layer, the rest of it kept (the head recomputed
+        2. each probed layer kept (one probe each)  saved bytes per group; unmanaged bytes per layer
+        3. the probed layers and the head int8      the compressible share per group
+        4. per unit of a probed layer: recomputed, the rest of its layer kept (the head recomputed
            in the first)                            what a recomputed unit still holds
         5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
                                                     times and unmanaged bytes
@@ -183,8 +186,14 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
     clock = DeviceClock(device)
-    layers = sorted({u.layer_index for u in runtime.units if u.layer_index is not None})
-    probed = [u for u in runtime.units if layers and u.layer_index == layers[len(layers) // 2]]
+    group = {u.name: u.group or unit_kind(u.name) for u in runtime.units}
+    # one probed layer per layer variant (its units' groups): the middle one of the layers of that variant
+    by_variant: dict[tuple, list[int]] = {}
+    for index in sorted({u.layer_index for u in runtime.units if u.layer_index is not None}):
+        key = tuple(group[u.name] for u in runtime.units if u.layer_index == index)
+        by_variant.setdefault(key, []).append(index)
+    probed_layers = {found[len(found) // 2]: len(found) for found in by_variant.values()}  # layer -> layers like it
+    probed = [u for u in runtime.units if u.layer_index in probed_layers]
     heads = [u for u in runtime.units if u.layer_index is None]
     gc_plan = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
 
@@ -199,45 +208,59 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         best.update({n: min(best[n], t) for n, t in timed.items()})
         return runtime.stats()
 
+    def kept(layer: int) -> dict:
+        return {u.name: "keep" for u in probed if u.layer_index == layer}
+
     held: dict[str, float] = {}
-    kept = {u.name: "keep" for u in probed}
     try:
         whole = probe({})
-        keep = probe(kept)
+        keeps = {layer: probe(kept(layer)) for layer in probed_layers}
         if small is not None:
-            small_whole, small_keep = probe({}, small_probe=True), probe(kept, small_probe=True)
+            small_whole = probe({}, small_probe=True)
+            small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
         int8 = probe({u.name: "int8" for u in probed + heads})
         for i, u in enumerate(probed or heads):
-            extra = {**{v.name: "keep" for v in probed}, u.name: "recompute"}
+            extra = {**kept(u.layer_index), u.name: "recompute"}
             extra.update({h.name: "recompute" for h in heads} if i == 0 else {})
             stats = probe(extra)
-            held[unit_kind(u.name)] = stats.units[u.name].stored_bytes
+            held[group[u.name]] = stats.units[u.name].stored_bytes
             held.update({h.name: stats.units[h.name].stored_bytes for h in heads} if i == 0 else {})
     finally:
         runtime.set_plan(plan_before)
+    never = [n for n, t in times.items() if t == math.inf]
+    if never:  # a unit map that names modules the model does not call in its training forward
+        blocks = sorted({type(u.block).__name__ for u in runtime.units if u.name in never and u.block is not None})
+        raise ValueError(f"hilore-verl: units {', '.join(never[:6])}{' ...' if len(never) > 6 else ''} never ran in "
+                         f"the training forward: the unit map of {', '.join(blocks) or 'the head'} names modules "
+                         "this model does not call (see hilore_verl/unit_maps.py)")
+    first = next(iter(keeps.values()), whole)
     r8 = payload_ratio("int8", element_size)
-    figures = {}  # kind -> (saved bytes, compressible share), from the probed layer and the head
+    figures = {}  # group -> (saved bytes, compressible share), from the probed layers and the head
     for u in probed + heads:
+        keep = keeps.get(u.layer_index, first)
         saved, stored8 = keep.units[u.name].saved_bytes, int8.units[u.name].stored_bytes
-        figures[unit_kind(u.name)] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
-    units = [UnitProfile(u.name, figures[unit_kind(u.name)][0], held[unit_kind(u.name)], times[u.name],
-                         figures[unit_kind(u.name)][1]) for u in runtime.units]
-    # totals held at the end of the forward: every layer kept = GC's plan + one probed layer's difference per layer
-    total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes  # noqa: E731
-    keep_all = lambda w, k: total(w) + len(layers) * (total(k) - total(w))  # noqa: E731
-    unmanaged = max(keep_all(whole, keep) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks
+        figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
+    units = [UnitProfile(u.name, figures[group[u.name]][0], held[group[u.name]], times[u.name],
+                         figures[group[u.name]][1]) for u in runtime.units]
+    # totals held at the end of the forward: every layer kept = GC's plan + its probed layer's difference
+    total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes + st.index_bytes  # noqa: E731
+    keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
+                                            for layer, n in probed_layers.items())
+    unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks
     unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
         r = small[1] / tokens
-        saved_small = {unit_kind(u.name): small_keep.units[u.name].saved_bytes for u in probed + heads}
+        small_first = next(iter(small_keeps.values()), small_whole)
+        saved_small = {group[u.name]: small_keeps.get(u.layer_index, small_first).units[u.name].saved_bytes
+                       for u in probed + heads}
         for u in units:
-            u.saved_quadratic = quadratic_share(saved_small[unit_kind(u.name)], u.saved_bytes, r)
+            u.saved_quadratic = quadratic_share(saved_small[group[u.name]], u.saved_bytes, r)
             u.forward_quadratic = quadratic_share(small_times[u.name], u.forward_s, r)
-        unmanaged_small = max(keep_all(small_whole, small_keep)
-                              - sum(saved_small[unit_kind(u.name)] for u in runtime.units), 0.0)
+        unmanaged_small = max(keep_all(small_whole, small_keeps)
+                              - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
         unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
     saving = 0.0
-    if layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
+    if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         summed = sum(u.held_bytes if u.name in gc_plan else u.saved_bytes for u in units) + unmanaged
         saving = max((summed - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16)

@@ -73,6 +73,7 @@ class _Forward:
     rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
     region: Region | None = None  # the region being recorded
     top: CallRecord | None = None  # a block region's own code
+    tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
 
 
 class Runtime(SavedTensorHooks):
@@ -309,6 +310,8 @@ class Runtime(SavedTensorHooks):
             return
         record = fwd.frames[depth]
         del fwd.frames[depth:]  # frames above it belong to calls an exception cut short
+        if record.unit.layer_index is None and not fwd.frames:
+            fwd.tail = record.unit  # e.g. a final logit soft-cap the model applies after lm_head
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES and not t.is_nested:
                 self._register(t, record.unit, record, ("out", path))

@@ -67,7 +67,13 @@ class SavedTensorHooks:
         if kind == "copy" and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
             # a weight copy made inside a recomputed call: its re-run makes it again (never compressed)
             return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
-        if kind or t.dtype not in FLOAT_DTYPES or t.numel() * t.element_size() < self.config.min_bytes:
+        small = t.numel() * t.element_size() < self.config.min_bytes
+        if (not kind and not small and t.dtype not in FLOAT_DTYPES and frame is not None
+                and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE):
+            # an integer or bool tensor (MoE routing indices, masks) saved inside a recomputed call: its
+            # re-run makes it again; not counted as the unit's saved bytes (stats count them as index bytes)
+            return frame.drop(("own", own_index), None, VersionWatch(t))
+        if kind or t.dtype not in FLOAT_DTYPES or small:
             leaf = kind == "leaf"
             kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
             fwd.stats.add_unmanaged(kept.tensor, leaf)  # the stats watch what lives as long as the graph
@@ -80,6 +86,14 @@ class SavedTensorHooks:
             unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
         else:
             unit = None
+        if unit is None and fwd.tail is not None:
+            # the model's own code after the head (Gemma-2's final logit soft-cap): the head's, kept or
+            # compressed as its plan says; it cannot run again, so under recompute it is kept
+            if fwd.plans[fwd.tail.index].mode == Mode.RECOMPUTE:
+                kept = Kept(t)
+                fwd.stats.add(fwd.tail, storage_key(t), kept.tensor, stored=t.numel() * t.element_size())
+                return kept
+            return self._store(t, fwd.tail, None, None, None, fwd)
         if unit is None:
             kept = Kept(t)
             fwd.stats.add_unmanaged(kept.tensor, False)

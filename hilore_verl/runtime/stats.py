@@ -39,6 +39,8 @@ class RuntimeStats:
     """Saves of parameters (and their views / casts): never touched."""
     unmanaged_held_bytes: int = 0
     """Unattributed tensors (e.g. the residual stream) held only as inputs of recomputed calls."""
+    index_bytes: int = 0
+    """Integer and bool tensors saved for backward (MoE routing indices, masks): kept as they are."""
 
     @property
     def saved_bytes(self) -> int:
@@ -58,13 +60,17 @@ class RuntimeStats:
                  for name, u in self.units.items()}
         return RuntimeStats(units, self.unmanaged_bytes + other.unmanaged_bytes,
                             self.parameter_saves + other.parameter_saves,
-                            self.unmanaged_held_bytes + other.unmanaged_held_bytes)
+                            self.unmanaged_held_bytes + other.unmanaged_held_bytes,
+                            self.index_bytes + other.index_bytes)
 
     def table(self) -> str:
         rows = [f"{'unit':24} {'mode':14} {'saved MiB':>10} {'stored MiB':>10}"]
         for name, u in self.units.items():
             rows.append(f"{name:24} {u.mode:14} {u.saved_bytes / 2**20:10.3f} {u.stored_bytes / 2**20:10.3f}")
         rows.append(f"{'total':24} {'':14} {self.saved_bytes / 2**20:10.3f} {self.stored_bytes / 2**20:10.3f}")
+        rows.append(f"{'outside units':24} {'keep':14} {self.unmanaged_bytes / 2**20:10.3f} "
+                    f"{self.unmanaged_bytes / 2**20:10.3f}")
+        rows.append(f"{'index tensors':24} {'keep':14} {self.index_bytes / 2**20:10.3f} {self.index_bytes / 2**20:10.3f}")
         return "\n".join(rows)
 
 
@@ -78,6 +84,7 @@ class StepStats:
     incompressible: list[int] = field(default_factory=list)
     unmanaged_bytes: int = 0
     parameter_saves: int = 0
+    index_bytes: int = 0
     seen: LiveKeyMap = field(default_factory=LiveKeyMap)
     held: LiveKeyMap = field(default_factory=LiveKeyMap)
     saved_whole: LiveKeyMap = field(default_factory=LiveKeyMap)  # storage address -> a save holds it whole
@@ -106,13 +113,16 @@ class StepStats:
         if is_parameter:
             self.parameter_saves += 1
             return
-        if t.is_nested or not t.is_floating_point():
+        if t.is_nested:
             return
         key = storage_key(t)
         if self.seen.get(key) is None:
             self.seen.put(key, t, True)
             self.saved_whole.put((key[0],), t, True)
-            self.unmanaged_bytes += t.numel() * t.element_size()
+            if t.is_floating_point():
+                self.unmanaged_bytes += t.numel() * t.element_size()
+            else:
+                self.index_bytes += t.numel() * t.element_size()
 
     def add_held(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
                  incompressible: bool = False) -> None:
@@ -142,4 +152,4 @@ class StepStats:
                 unit = units[self.names[index]]
                 unit.held_bytes += stored
                 unit.stored_bytes += stored
-        return RuntimeStats(units, self.unmanaged_bytes, self.parameter_saves, unmanaged_held)
+        return RuntimeStats(units, self.unmanaged_bytes, self.parameter_saves, unmanaged_held, self.index_bytes)
