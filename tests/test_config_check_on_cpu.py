@@ -17,6 +17,9 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
     ("actor_rollout_ref.actor.strategy=fsdp", "hilore.enable=true needs actor_rollout_ref.actor.strategy=fsdp2"),
     ("trainer.device=cuda", "actor_rollout_ref.rollout.name=hf is the CPU rollout"),
     ("ray_kwargs.ray_init.num_cpus=null", "Ray would count"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+     "hilore.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 is not supported"),
+    ("actor_rollout_ref.model.use_liger=true", "hilore.enable=true with actor_rollout_ref.model.use_liger=true"),
 ])
 def test_main_ppo_exits_with_one_line_before_ray(override, message):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",

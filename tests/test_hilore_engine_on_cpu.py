@@ -179,3 +179,51 @@ def test_audit_metrics_and_oom_retry(tmp_path):
         # the retry runs the planned (compressed) plan with kept units recomputed: within the codec's bounds;
         # that it is bitwise the uninterrupted update is tests/test_faults_on_cpu.py's to show
         assert r["cos_after_retry"] >= 0.99, r  # risk budget 0.5, as the audit above
+
+
+def _with_model_options(rank, world_size, model_dir, batch, options):
+    """verl's engine with model options (`HFModelConfig` fields): stock with GC against HiLoRe with
+    keep / recompute plans only; gradients of every trainable parameter."""
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    config = actor_config()
+    packed = options.pop("use_remove_padding", True)
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0],
+                         use_remove_padding=packed)
+
+    def step(engine):
+        with engine.train_mode():
+            engine.train_batch(td.clone(), loss_function=ppo_loss_fn(config))
+            return {n: p.grad.full_tensor() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+    build = dict(gradient_checkpointing=True, lr=0.0, clip_grad=1e9, model_options=options, use_remove_padding=packed)
+    torch.manual_seed(0)  # peft draws the adapters' initial weights: the same in both engines
+    grads0 = step(build_fsdp_engine(model_dir, **build))
+    torch.manual_seed(0)
+    engine = build_fsdp_engine(model_dir, **build, engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
+    grads = step(engine)
+    proj = {u.name: u for u in engine.runtime.units}["layers.0.attn.proj"]
+    return {"same_parameters": sorted(grads0) == sorted(grads) and len(grads0) > 0,
+            "adapters_only": all("lora" in n for n in grads0),
+            "bitwise": all(torch.equal(grads[n], g) for n, g in grads0.items()),
+            "wrapped": all(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in proj.modules),
+            "head_saved": engine.runtime.stats().units["head"].saved_bytes,
+            "stats": "|".join(f"{n}:{u.saved_bytes}" for n, u in engine.runtime.stats().units.items())
+            + f"|out:{engine.runtime.stats().unmanaged_bytes}",
+            "modes": sorted({m for r in engine.controller.history for m in r.plan.values()})}
+
+
+@pytest.mark.parametrize("options", [{"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+                                     {"use_fused_kernels": True}, {"use_remove_padding": False}],
+                         ids=["lora", "fused_kernels", "padded"])
+def test_verl_model_options_update_as_stock_verl(tmp_path, options):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    ranks = run_on_ranks(_with_model_options, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), dict(options)))
+    for r in ranks:
+        assert r["same_parameters"] and r["bitwise"], r
+        assert set(r["modes"]) <= {"keep", "recompute"}, r
+        assert r["adapters_only"] == r["wrapped"] == ("lora_rank" in options), r
+        if "lora_rank" not in options:  # the log-prob computation is the head's, fused or not
+            assert r["head_saved"] > 0, r["stats"]

@@ -63,6 +63,11 @@ class HiLoReActorConfig(FSDPActorConfig):
         super().__post_init__()
         if not section.enable:
             return
+        if self.ulysses_sequence_parallel_size > 1:
+            raise ValueError(f"hilore.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size="
+                             f"{self.ulysses_sequence_parallel_size} is not supported: Ulysses' all-to-alls run inside "
+                             "the attention units, and recomputing a unit would run them again out of step with the "
+                             "other ranks; set ulysses_sequence_parallel_size=1 (or hilore.enable=false)")
         values = {f.name: getattr(self.fsdp_config, f.name) for f in dataclasses.fields(FSDPEngineConfig) if f.init}
         engine = HiLoReEngineConfig(**values, hilore=section)
         object.__setattr__(engine, "strategy", BACKEND)  # the registry key; the engine builds FSDP2
@@ -76,6 +81,10 @@ class HiLoReActorConfig(FSDPActorConfig):
         if model_config.get("enable_activation_offload", False):
             raise ValueError("hilore.enable=true and actor_rollout_ref.model.enable_activation_offload=true manage "
                              "the same activations: set actor_rollout_ref.model.enable_activation_offload=false")
+        if model_config.get("use_liger", False):
+            raise ValueError("hilore.enable=true with actor_rollout_ref.model.use_liger=true is not supported: Liger "
+                             "replaces the norms, MLP activations and the head's loss with fused GPU kernels whose "
+                             "saved tensors HiLoRe has not been checked against; set use_liger=false")
         if model_config.get("enable_gradient_checkpointing", False):
             logger.warning("hilore-verl: HiLoRe takes over gradient checkpointing of the decoder layers it manages "
                            "(actor_rollout_ref.model.enable_gradient_checkpointing=true stays as verl's fallback "

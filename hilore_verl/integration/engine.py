@@ -42,6 +42,7 @@ def build_fsdp_engine(
     total_training_steps: int = 10,
     defer_gradient_sync: bool = True,
     engine_cls: type = FSDPEngineWithLMHead,
+    model_options: dict | None = None,
     **engine_kwargs,
 ) -> FSDPEngineWithLMHead:
     """An initialised verl FSDP engine for a Hugging Face model directory (needs torch.distributed).
@@ -50,6 +51,7 @@ def build_fsdp_engine(
     verl's `use_no_sync_for_gradient_accumulation` (reduce gradients once, in the last micro-batch's
     backward). `engine_cls`:
     verl's engine or a subclass (HiLoReFSDPEngine, which takes `hilore=` and `actor_config=`).
+    `model_options`: further fields of verl's HFModelConfig (e.g. `lora_rank`, `target_modules`).
     """
     model_config = HFModelConfig(
         path=model_path,
@@ -57,6 +59,7 @@ def build_fsdp_engine(
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=gradient_checkpointing,
         override_config={"attn_implementation": "sdpa"},
+        **(model_options or {}),
     )
     engine_config = FSDPEngineConfig(
         forward_only=False,

@@ -19,6 +19,8 @@ A saved view of a boundary tensor (an output or child input) keeps its geometry 
 
 from __future__ import annotations
 
+import copy
+
 import weakref
 from typing import Any, Callable
 
@@ -309,7 +311,13 @@ def map_tree(tree: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]
     if isinstance(tree, (tuple, list)):
         return type(tree)(map_tree(x, fn, is_leaf) for x in tree)
     if isinstance(tree, dict):
-        return {k: map_tree(v, fn, is_leaf) for k, v in tree.items()}
+        mapped = {k: map_tree(v, fn, is_leaf) for k, v in tree.items()}
+        if type(tree) is dict:
+            return mapped
+        out = copy.copy(tree)  # a dict subclass keeps its type (a model's ModelOutput: `.logits` still works)
+        for k, v in mapped.items():
+            out[k] = v
+        return out
     return tree
 
 
