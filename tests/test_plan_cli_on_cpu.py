@@ -14,7 +14,11 @@ CLI = str(Path(sys.executable).with_name("hilore-verl"))
 # parameter counts (billions) as published for each preset's model
 PUBLISHED_B = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
                "qwen2.5-14b": 14.7, "qwen2.5-32b": 32.8, "qwen2.5-72b": 72.7, "llama-3-8b": 8.03,
-               "llama-3-70b": 70.6, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21}
+               "llama-3-70b": 70.6, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03,
+               "qwen3-8b": 8.19, "qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "gpt-oss-20b": 20.9, "olmo-2-7b": 7.30,
+               "gemma-3-12b": 12.2 - 0.42}  # Gemma-3-12B: the language model, without its 0.42 B vision encoder
+# active parameters (billions) as published for the MoE presets; GPT-OSS counts them without the embedding table
+PUBLISHED_ACTIVE_B = {"qwen3-30b-a3b": (3.3, True), "mixtral-8x7b": (12.9, True), "gpt-oss-20b": (3.6, False)}
 
 
 def test_presets_have_the_published_sizes():
@@ -26,6 +30,31 @@ def test_presets_have_the_published_sizes():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(load_config(name))
         assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.02), name
+
+
+def test_moe_presets_have_the_published_active_sizes():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hilore_verl.planner.analytic import active_parameters
+
+    for name, (billions, with_embedding) in PUBLISHED_ACTIVE_B.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(load_config(name))
+        active = active_parameters(model) - (0 if with_embedding else model.get_input_embeddings().weight.numel())
+        assert active / 1e9 == pytest.approx(billions, rel=0.03), name
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "gemma-3-12b"])
+def test_plan_of_other_family_presets(tmp_path, preset):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([CLI, "plan", "--model", preset, "--gpu-mem-gib", "140", "--micro-batch-tokens", "4096",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["peak_gib"] <= result["budget_gib"] and result["gc_peak_gib"] < result["no_gc_peak_gib"]
+    if preset != "gemma-3-12b":
+        assert any(unit.endswith("mlp.experts") for unit in result["plan"]), result["plan"]
 
 
 def test_plan_of_a_preset(tmp_path):

@@ -5,13 +5,16 @@ and head (exact shapes, no compute), except the attention core: on meta, SDPA ta
 (T x T scores), so a fused kernel's saves are used (q, k, v, output, fp32 logsumexp). Times are
 estimates from FLOPs and bytes:
 
-    projections   2 * tokens * sum(in * out) / flops_per_s
+    projections   2 * tokens * sum(in * out) / flops_per_s                    (routers, shared experts too)
+    experts       2 * tokens * (expert weights) * top_k / experts / flops_per_s     (active parameters)
     attention     4 * tokens * seq_len * heads * head_dim / flops_per_s (causal: half of 8)
     norms, act    2 * saved bytes / bytes_per_s                                (memory-bound)
     head          2 * tokens * hidden * vocab / flops_per_s
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn as nn
@@ -26,18 +29,53 @@ def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) ->
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     hidden = torch.empty(1, tokens, model.config.hidden_size, device="meta", dtype=dtype, requires_grad=True)
     positions = torch.arange(tokens, device="meta")[None]
-    cos_sin = inner.rotary_emb(hidden, positions)
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types is not None and "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
+        # a rotary table per attention type (Gemma-3: local and global layers)
+        tables = {t: inner.rotary_emb(hidden, positions, t) for t in set(layer_types)}
+        cos_sin = [tables[t] for t in layer_types]
+    else:
+        cos_sin = [inner.rotary_emb(hidden, positions)] * len(inner.layers)
     with runtime.tracking():
         h = hidden
-        for layer in inner.layers:
-            out = layer(h, attention_mask=None, position_embeddings=cos_sin, position_ids=positions, use_cache=False)
+        for layer, table in zip(inner.layers, cos_sin):
+            out = layer(h, attention_mask=None, position_embeddings=table, position_ids=positions, use_cache=False)
             h = out[0] if isinstance(out, tuple) else out
         model.get_output_embeddings()(inner.norm(h))
 
 
+def moe_routing(config: PretrainedConfig) -> tuple[int, int] | None:
+    """(routed experts, experts per token) of an MoE config, or None for a dense one."""
+    experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else None
+
+
+def _weights(unit: RecoveryUnit) -> int:
+    """Matrix (and expert-stacked) parameters of a unit's modules: what its matmuls multiply by."""
+    return sum(p.numel() for m in unit.modules for p in m.parameters() if p.dim() >= 2)
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters one token runs through: every parameter, less the routed experts it is not sent to."""
+    from hilore_verl.units import find_units
+
+    total = sum(p.numel() for p in model.parameters())
+    routing = moe_routing(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
+    if routing is None:
+        return total
+    experts, top_k = routing
+    routed = sum(p.numel() for u in find_units(model) if u.kind == "experts" for m in u.modules for p in m.parameters())
+    return int(total - routed * (1 - top_k / experts))
+
+
 def _unit_flops(unit: RecoveryUnit, tokens: int, seq_len: int, config: PretrainedConfig) -> float:
-    if unit.kind == "proj":
-        return 2.0 * tokens * sum(m.in_features * m.out_features for m in unit.modules)
+    if unit.kind in ("proj", "router", "shared_experts"):  # every token through every weight
+        return 2.0 * tokens * _weights(unit)
+    if unit.kind == "experts":  # each token through its top-k experts only: the active parameters
+        experts, top_k = moe_routing(config) or (1, 1)
+        return 2.0 * tokens * _weights(unit) * top_k / experts
     if unit.kind == "attn_core":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 4.0 * tokens * seq_len * config.num_attention_heads * head_dim
@@ -58,14 +96,17 @@ def analytic_costs(config: PretrainedConfig, tokens: int, seq_len: int, dtype: t
                    flops_per_s: float = 400e12, bytes_per_s: float = 3e12, **kwargs) -> CostTable:
     """CostTable for `tokens` tokens per micro-batch in sequences of about `seq_len`, from the config."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
+        except ValueError:  # a family transformers runs in eager attention only (GPT-OSS's sinks)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").train()
     runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=0))
     try:
         _meta_forward(model, runtime, tokens, dtype)
         keep = runtime.stats()
         kinds: dict[str, list[str]] = {}
         for u in runtime.units:
-            kinds.setdefault(u.name.split(".", 2)[-1] if u.layer_index is not None else u.name, []).append(u.name)
+            kinds.setdefault(u.group, []).append(u.name)
         held: dict[str, float] = {}
         for names in kinds.values():
             runtime.set_plan({n: "recompute" for n in names})
