@@ -209,7 +209,8 @@ def _with_model_options(rank, world_size, model_dir, batch, options):
             "adapters_only": all("lora" in n for n in grads0),
             "bitwise": all(torch.equal(grads[n], g) for n, g in grads0.items()),
             "wrapped": all(hasattr(m, "base_layer") and hasattr(m, "lora_A") for m in proj.modules),
-            "head_saved": engine.runtime.stats().units["head"].saved_bytes,
+            "outside_share": engine.runtime.stats().unmanaged_bytes / (engine.runtime.stats().unmanaged_bytes
+                                                                       + engine.runtime.stats().saved_bytes),
             "stats": "|".join(f"{n}:{u.saved_bytes}" for n, u in engine.runtime.stats().units.items())
             + f"|out:{engine.runtime.stats().unmanaged_bytes}",
             "modes": sorted({m for r in engine.controller.history for m in r.plan.values()})}
@@ -225,5 +226,6 @@ def test_verl_model_options_update_as_stock_verl(tmp_path, options):
         assert r["same_parameters"] and r["bitwise"], r
         assert set(r["modes"]) <= {"keep", "recompute"}, r
         assert r["adapters_only"] == r["wrapped"] == ("lora_rank" in options), r
-        if "lora_rank" not in options:  # the log-prob computation is the head's, fused or not
-            assert r["head_saved"] > 0, r["stats"]
+        # the log-prob code's saves are the head's, fused or not (0.06-0.10 measured; 0.33-0.40 when
+        # the logits it saves counted as outside units)
+        assert r["outside_share"] <= 0.2, r["stats"]

@@ -167,3 +167,60 @@ def test_weight_copies_are_held_for_kept_units_and_made_again_for_recomputed_one
     copies = 2 * sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))  # bf16, per layer
     assert held["keep"] - held["recompute"] >= config.num_layers * copies
     assert held["int8"] == held["keep"]  # the copies stay exact and held: a codec never takes a weight
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "int8"])
+def test_a_standalone_calls_saved_inputs_are_its_units_and_fixed_memory_in_the_profile(mode):
+    """verl's log-prob code runs under call("head") after the model's forward and saves the logits
+    lm_head made before it. The runtime counts them as the head's, pinned: kept exact whatever the
+    head's mode (the call cannot make them again). The profile counts them as fixed memory, in no
+    option of the head and not in the backward's reserve, and predicted memory still matches the
+    runtime's."""
+    from hilore_verl.planner import BudgetConfig, Controller
+    from hilore_verl.tiny_models import build_tiny_model
+    from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+
+    batch = make_grpo_batch(GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48), seed=0)
+    start = batch["prompts"].shape[1] - 1
+
+    def log_probs(logits, responses):  # logsumexp saves its input: a view of the logits
+        logits = logits[:, start:-1]
+        return logits.gather(-1, responses[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)
+
+    def step(model, head=None):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits
+        out = head("head", log_probs, logits, batch["responses"]) if head else log_probs(logits, batch["responses"])
+        (out * batch["response_mask"]).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = build_tiny_model("qwen2", seed=0).train()
+    exact = step(plain)
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = hilore_verl.attach(model)
+    rt.set_plan({"head": mode})
+    grads = step(model, rt.call)
+    logits_view = batch["responses"].numel() * plain.config.vocab_size * 4  # fp32
+    head = rt.stats().units["head"]
+    assert head.pinned_bytes == logits_view and head.stored_bytes >= logits_view, head
+    if mode != "int8":
+        assert all(torch.equal(g, e) for g, e in zip(grads, exact))
+
+    tokens = batch["attention_mask"].numel()
+    costs = profile(rt, lambda: step(model, rt.call), tokens, element_size=4)
+    rt.set_plan({u.name: "keep" for u in rt.units})
+    step(model, rt.call)
+    kept = rt.stats()
+    unit = next(u for u in costs.units if u.name == "head")
+    assert unit.saved_bytes == kept.units["head"].saved_bytes - logits_view  # no option of the head holds them
+    assert costs.transient(tokens) < kept.units["head"].saved_bytes  # nor does the backward's reserve
+    assert costs.unmanaged_bytes >= logits_view  # fixed memory
+    ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 2.0))
+    for plan_mode in ("keep", "recompute", "int8"):
+        plan = {u.name: plan_mode for u in costs.units}
+        rt.set_plan(ctl.runtime_plan(plan))
+        step(model, rt.call)
+        stats = rt.stats()
+        measured = stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+        assert ctl.held_bytes(plan, tokens) == pytest.approx(measured, rel=0.1), plan_mode

@@ -5,12 +5,16 @@ recomputed unit must still hold, each unit's forward time, codec and host-copy t
 scaled by token count: with k = tokens / probe tokens, a figure f measured on the probe becomes
 f ((1 - q) k + q k^2), where q is the share of it found to grow with tokens squared by a second,
 smaller probe (a dense attention mask over a packed row, attention's time; 0 on varlen attention).
-Per unit u with saved bytes S_u, held-for-recompute bytes H_u (linear) and forward time F_u, so scaled:
+Per unit u with saved bytes S_u, held-for-recompute bytes H_u (linear), forward time F_u and
+compressible share c_u (the rest, e.g. -inf masks, stays exact on the device), so scaled:
 
-    keep        memory S_u               time 0
-    recompute   memory H_u               time F_u                       transient S_u in its backward
-    fmt         memory S_u * r_fmt       time 2 S_u / codec_bw          r_fmt = codes + scales + flags per byte
-    fmt+offload memory 0                 time 2 S_u / codec_bw + 2 S_u r_fmt / host_bw
+    keep        memory S_u                          time 0
+    recompute   memory H_u                          time F_u             transient S_u in its backward
+    fmt         memory S_u (c_u r_fmt + 1 - c_u)    time 2 S_u / codec_bw    r_fmt = codes + scales + flags per byte
+    fmt+offload memory S_u (1 - c_u)                time 2 S_u / codec_bw + 2 S_u c_u r_fmt / host_bw
+
+What a unit keeps exact in every mode (its pinned bytes: a standalone call's inputs, made before it)
+is fixed memory, no option of the unit: the profile counts it with the unmanaged bytes.
 """
 
 from __future__ import annotations
@@ -78,11 +82,12 @@ class CostTable:
             for fmt in self.formats:
                 r = risk(unit.name, fmt) if risk else math.inf  # no risk model: lossy is never free
                 c = unit.compressible
-                payload = S * (c * payload_ratio(fmt, self.element_size, self.group_size) + 1 - c)
+                codes = S * c * payload_ratio(fmt, self.element_size, self.group_size)
+                exact = S * (1 - c)  # kept exact on the device (e.g. -inf masks), offloaded or not
                 codec_s = 2 * S / self.codec_bytes_per_s
-                opts.append(Option(fmt, payload, codec_s, r))
+                opts.append(Option(fmt, codes + exact, codec_s, r))
                 if self.offload:
-                    opts.append(Option(fmt + "+offload", 0.0, codec_s + 2 * payload / self.host_bytes_per_s, r))
+                    opts.append(Option(fmt + "+offload", exact, codec_s + 2 * codes / self.host_bytes_per_s, r))
         return opts
 
     def transient(self, tokens: int) -> float:
@@ -149,6 +154,12 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
 
 def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats: int = 3) -> float:
     return nbytes / max(clock.time(fn, repeats), 1e-12)
+
+
+def _unpinned(stats: "RuntimeStats", unit: str, figure: str) -> int:
+    """A unit's saved or stored bytes less its pinned ones (kept exact in every mode: fixed memory,
+    which `profile` counts with the unmanaged bytes instead of in any option of the unit)."""
+    return getattr(stats.units[unit], figure) - stats.units[unit].pinned_bytes
 
 
 def quadratic_share(small: float, large: float, r: float) -> float:
@@ -223,8 +234,8 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
             extra = {**kept(u.layer_index), u.name: "recompute"}
             extra.update({h.name: "recompute" for h in heads} if i == 0 else {})
             stats = probe(extra)
-            held[group[u.name]] = stats.units[u.name].stored_bytes
-            held.update({h.name: stats.units[h.name].stored_bytes for h in heads} if i == 0 else {})
+            held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
+            held.update({h.name: _unpinned(stats, h.name, "stored_bytes") for h in heads} if i == 0 else {})
     finally:
         runtime.set_plan(plan_before)
     never = [n for n, t in times.items() if t == math.inf]
@@ -238,7 +249,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     figures = {}  # group -> (saved bytes, compressible share), from the probed layers and the head
     for u in probed + heads:
         keep = keeps.get(u.layer_index, first)
-        saved, stored8 = keep.units[u.name].saved_bytes, int8.units[u.name].stored_bytes
+        saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(int8, u.name, "stored_bytes")
         figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
     units = [UnitProfile(u.name, figures[group[u.name]][0], held[group[u.name]], times[u.name],
                          figures[group[u.name]][1]) for u in runtime.units]
@@ -246,12 +257,12 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes + st.index_bytes  # noqa: E731
     keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
                                             for layer, n in probed_layers.items())
-    unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks
+    unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
     unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
         r = small[1] / tokens
         small_first = next(iter(small_keeps.values()), small_whole)
-        saved_small = {group[u.name]: small_keeps.get(u.layer_index, small_first).units[u.name].saved_bytes
+        saved_small = {group[u.name]: _unpinned(small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
                        for u in probed + heads}
         for u in units:
             u.saved_quadratic = quadratic_share(saved_small[group[u.name]], u.saved_bytes, r)

@@ -75,6 +75,7 @@ class _Forward:
     region: Region | None = None  # the region being recorded
     top: CallRecord | None = None  # a block region's own code
     tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
+    inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
 
 
 class Runtime(SavedTensorHooks):
@@ -367,6 +368,7 @@ class Runtime(SavedTensorHooks):
         standalone = self._fwd is None
         if standalone:
             self._open_forward("call")
+            self._fwd.inputs_of = unit  # e.g. the logits verl's log-prob code saves: made by lm_head, the head's
         try:
             self._enter(fn, unit, args, kwargs)
             output = None

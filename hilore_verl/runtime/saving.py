@@ -86,6 +86,14 @@ class SavedTensorHooks:
             unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
         else:
             unit = None
+        if unit is None and fwd.inputs_of is not None:
+            # an input of a standalone call, made before it (in the closed forward): the call's unit owns
+            # the save, kept exact in every mode (the call cannot make it again): counted as pinned, so the
+            # planner reserves no backward transient for it and no codec saving
+            kept = Kept(t)
+            fwd.stats.add(fwd.inputs_of, storage_key(t), kept.tensor, stored=t.numel() * t.element_size(),
+                          incompressible=True, pinned=True)
+            return kept
         if unit is None and fwd.tail is not None:
             # the model's own code after the head (Gemma-2's final logit soft-cap): the head's, kept or
             # compressed as its plan says; it cannot run again, so under recompute it is kept

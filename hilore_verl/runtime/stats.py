@@ -28,6 +28,9 @@ class UnitStats:
     """Tensors kept exact instead of compressed because they held inf / nan."""
     incompressible: int = 0
     """Tensors kept exact because neither their last dim nor their size is a multiple of the group size."""
+    pinned_bytes: int = 0
+    """Part of saved_bytes kept exact in every mode: a standalone call's inputs made before it (verl's
+    logits in its log-prob code), which re-running the call cannot make again."""
 
 
 @dataclass
@@ -56,7 +59,8 @@ class RuntimeStats:
                                  u.stored_bytes + other.units[name].stored_bytes,
                                  u.held_bytes + other.units[name].held_bytes,
                                  u.tensors + other.units[name].tensors, u.nonfinite + other.units[name].nonfinite,
-                                 u.incompressible + other.units[name].incompressible)
+                                 u.incompressible + other.units[name].incompressible,
+                                 u.pinned_bytes + other.units[name].pinned_bytes)
                  for name, u in self.units.items()}
         return RuntimeStats(units, self.unmanaged_bytes + other.unmanaged_bytes,
                             self.parameter_saves + other.parameter_saves,
@@ -82,6 +86,7 @@ class StepStats:
     tensors: list[int] = field(default_factory=list)
     nonfinite: list[int] = field(default_factory=list)
     incompressible: list[int] = field(default_factory=list)
+    pinned: list[int] = field(default_factory=list)
     unmanaged_bytes: int = 0
     parameter_saves: int = 0
     index_bytes: int = 0
@@ -93,10 +98,10 @@ class StepStats:
     @classmethod
     def empty(cls, units) -> "StepStats":
         n = len(units)
-        return cls([u.name for u in units], [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
+        return cls([u.name for u in units], [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
 
     def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
-            incompressible: bool = False) -> None:
+            incompressible: bool = False, pinned: bool = False) -> None:
         if self.seen.get(key) is not None:
             return
         self.seen.put(key, t, True)
@@ -108,6 +113,7 @@ class StepStats:
         self.tensors[i] += 1
         self.nonfinite[i] += int(nonfinite)
         self.incompressible[i] += int(incompressible)
+        self.pinned[i] += t.numel() * t.element_size() if pinned else 0
 
     def add_unmanaged(self, t: torch.Tensor, is_parameter: bool) -> None:
         if is_parameter:
@@ -140,7 +146,7 @@ class StepStats:
 
     def summary(self, plans) -> RuntimeStats:
         units = {name: UnitStats(str(plans[i]), self.saved[i], self.stored[i], 0, self.tensors[i], self.nonfinite[i],
-                                 self.incompressible[i])
+                                 self.incompressible[i], self.pinned[i])
                  for i, name in enumerate(self.names)}
         unmanaged_held = 0
         for key, index, stored in self.held_items:
