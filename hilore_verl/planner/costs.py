@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from hilore_verl.kernels import FORMATS, payload_ratio, quantize
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime import Runtime
+from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import unit_kind
 from hilore_verl.timing import DeviceClock
 
@@ -156,7 +157,7 @@ def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats
     return nbytes / max(clock.time(fn, repeats), 1e-12)
 
 
-def _unpinned(stats: "RuntimeStats", unit: str, figure: str) -> int:
+def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
     """A unit's saved or stored bytes less its pinned ones (kept exact in every mode: fixed memory,
     which `profile` counts with the unmanaged bytes instead of in any option of the unit)."""
     return getattr(stats.units[unit], figure) - stats.units[unit].pinned_bytes
@@ -212,7 +213,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     times: dict[str, float] = {u.name: math.inf for u in runtime.units}
     small_times = dict(times)
 
-    def probe(extra: dict, small_probe: bool = False) -> "RuntimeStats":
+    def probe(extra: dict, small_probe: bool = False) -> RuntimeStats:
         runtime.set_plan({**gc_plan, **extra})
         timed = _unit_times(runtime, small[0] if small_probe else run, clock)
         best = small_times if small_probe else times
