@@ -32,6 +32,46 @@ def test_main_ppo_exits_with_one_line_before_ray(override, message):
     assert "ray init" not in proc.stdout and "Traceback" not in proc.stderr
 
 
+def _cohere(path) -> str:
+    """A family with no declared map whose blocks the name guess cannot complete (one norm feeds both
+    the attention and the MLP): `attach` refuses it."""
+    from transformers import CohereConfig
+
+    CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(path)
+    return str(path)
+
+
+def test_a_model_no_unit_map_fits_stops_main_ppo_before_ray(tmp_path):
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
+           "actor_rollout_ref.actor.hilore.enable=true", f"actor_rollout_ref.model.path={_cohere(tmp_path)}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(ours) == 1 and "cannot map decoder block CohereDecoderLayer" in ours[0], proc.stderr[-3000:]
+    assert "actor_rollout_ref.model.external_lib" in ours[0]
+    assert "ray init" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_the_unit_map_check_takes_a_users_map_from_external_lib(tmp_path, monkeypatch):
+    from hilore_verl.integration.map_check import check_unit_map
+    from hilore_verl.unit_maps import MAPS
+
+    model = _cohere(tmp_path / "cohere")
+    with pytest.raises(ValueError, match="no module found for mlp.norm.*external_lib"):
+        check_unit_map({"path": model})
+    (tmp_path / "cohere_units.py").write_text(  # a user's module with the map (tested exact in test_unit_maps)
+        "from hilore_verl.unit_maps import register_map\n"
+        "from tests.test_unit_maps_on_cpu import COHERE_MAP\n"
+        "register_map('cohere', COHERE_MAP)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        check_unit_map({"path": model, "external_lib": "cohere_units"})  # the user's map: accepted
+    finally:
+        MAPS.pop("cohere", None)
+    check_unit_map({"path": "some-org/not-downloaded"})  # no local config: the engine checks at start-up
+
+
 def test_only_hilore_errors_are_shortened():
     try:
         try:

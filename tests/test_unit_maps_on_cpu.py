@@ -233,6 +233,42 @@ def test_register_map_checks_names_and_kinds():
     assert "x" not in MAPS
 
 
+COHERE_MAP = [UnitSpec("attn.norm", "norm", ("input_layernorm",)),  # one norm feeds attention and MLP alike
+              UnitSpec("attn.proj", "proj", tuple(f"self_attn.{p}_proj" for p in "qkvo")),
+              UnitSpec("attn.core", "attn_core", ("self_attn",)),
+              UnitSpec("mlp.proj", "proj", ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+              UnitSpec("mlp.act", "act", ("mlp",))]
+
+
+def test_a_family_without_a_map_is_refused_until_the_user_registers_one():
+    """Cohere's parallel block (one norm, attention and MLP side by side) defeats the name guess; a
+    map registered with `register_map` makes it a managed family, exactly."""
+    from transformers import AutoModelForCausalLM, CohereConfig
+
+    config = CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).train()
+    with pytest.raises(ValueError, match="CohereDecoderLayer .* no module found for mlp.norm.*register_map"):
+        hilore_verl.attach(copy.deepcopy(ref))
+    loss0, grads0 = policy_gradient_step(ref)
+    register_map("cohere", COHERE_MAP)
+    try:
+        for plan in ({"layers": "recompute"}, {"layers.0": "recompute", "layers.1.attn": "recompute", "head": "recompute"},
+                     {"layers.1.mlp.act": "recompute", "layers.0.attn.norm": "recompute"}):
+            model = copy.deepcopy(ref)
+            rt = hilore_verl.attach(model)
+            rt.set_plan(plan)
+            loss, grads = policy_gradient_step(model)
+            assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items()), plan
+            stats = rt.stats()
+            assert stats.unmanaged_bytes <= 0.2 * (stats.unmanaged_bytes + stats.saved_bytes)
+            rt.detach()
+    finally:
+        MAPS.pop("cohere")
+
+
 # ---------------------------------------------------------------------- LoRA (peft, as verl applies it)
 def _lora_model(family="qwen2"):
     import peft

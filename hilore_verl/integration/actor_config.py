@@ -85,6 +85,9 @@ class HiLoReActorConfig(FSDPActorConfig):
             raise ValueError("hilore.enable=true with actor_rollout_ref.model.use_liger=true is not supported: Liger "
                              "replaces the norms, MLP activations and the head's loss with fused GPU kernels whose "
                              "saved tensors HiLoRe has not been checked against; set use_liger=false")
+        from hilore_verl.integration.map_check import check_unit_map
+
+        check_unit_map(model_config)  # a model no unit map fits: refused here, not in every worker after Ray
         if model_config.get("enable_gradient_checkpointing", False):
             logger.warning("hilore-verl: HiLoRe takes over gradient checkpointing of the decoder layers it manages "
                            "(actor_rollout_ref.model.enable_gradient_checkpointing=true stays as verl's fallback "

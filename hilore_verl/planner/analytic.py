@@ -44,6 +44,20 @@ def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) ->
         model.get_output_embeddings()(inner.norm(h))
 
 
+def _meta_forward_or_refuse(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) -> None:
+    """`_meta_forward`, or one ValueError when the model's forward reads tensor values, which meta
+    tensors do not have (GraniteMoE's expert split sizes are taken with `.tolist()`)."""
+    try:
+        _meta_forward(model, runtime, tokens, dtype)
+    except (NotImplementedError, RuntimeError) as err:
+        if "meta" not in str(err):
+            raise
+        raise ValueError(f"{type(model).__name__} ({model.config.model_type}) has no analytic estimate: its forward "
+                         f"reads tensor values, which the meta device does not have ({str(err).splitlines()[0]}). "
+                         "Training with hilore.enable=true measures its costs on the device at the first "
+                         "train_batch instead.") from err
+
+
 def moe_routing(config: PretrainedConfig) -> tuple[int, int] | None:
     """(routed experts, experts per token) of an MoE config, or None for a dense one."""
     experts = next((getattr(config, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -102,7 +116,7 @@ def analytic_costs(config: PretrainedConfig, tokens: int, seq_len: int, dtype: t
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").train()
     runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=0))
     try:
-        _meta_forward(model, runtime, tokens, dtype)
+        _meta_forward_or_refuse(model, runtime, tokens, dtype)
         keep = runtime.stats()
         kinds: dict[str, list[str]] = {}
         for u in runtime.units:
@@ -110,7 +124,7 @@ def analytic_costs(config: PretrainedConfig, tokens: int, seq_len: int, dtype: t
         held: dict[str, float] = {}
         for names in kinds.values():
             runtime.set_plan({n: "recompute" for n in names})
-            _meta_forward(model, runtime, tokens, dtype)
+            _meta_forward_or_refuse(model, runtime, tokens, dtype)
             held.update({n: runtime.stats().units[n].stored_bytes for n in names})
         element = torch.tensor([], dtype=dtype).element_size()
         units = []
