@@ -15,6 +15,7 @@ estimates from FLOPs and bytes:
 from __future__ import annotations
 
 import inspect
+import types
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,9 @@ from hilore_verl.units import RecoveryUnit
 
 def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) -> None:
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = torch.empty(1, tokens, model.config.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+    # not a leaf: a cast of a leaf that requires grad reads as a weight's autocast copy (saving.parameter_kind),
+    # and the first norm's fp32 cast of its input would go uncounted
+    hidden = torch.empty(1, tokens, model.config.hidden_size, device="meta", dtype=dtype, requires_grad=True).clone()
     positions = torch.arange(tokens, device="meta")[None]
     layer_types = getattr(model.config, "layer_types", None)
     if layer_types is not None and "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
@@ -41,12 +44,34 @@ def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) ->
         for layer, table in zip(inner.layers, cos_sin):
             out = layer(h, attention_mask=None, position_embeddings=table, position_ids=positions, use_cache=False)
             h = out[0] if isinstance(out, tuple) else out
-        model.get_output_embeddings()(inner.norm(h))
+        logits = model.get_output_embeddings()(inner.norm(h))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:  # the model's own code after lm_head (Gemma-2), the head's as in training: tanh saves its output
+            torch.tanh(logits / cap) * cap
+
+
+def _granite_router(router: nn.Module, hidden: torch.Tensor):
+    """GraniteMoE's top-k router with the outputs of its own forward, for the meta device: its split
+    sizes are counts read with `.tolist()` on a real device; here the tokens split evenly over the
+    experts, as the FLOP estimate assumes (top_k / experts of the expert weights per token)."""
+    logits = router.layer(hidden).float()  # [tokens, experts]
+    top_logits, top_experts = logits.topk(router.top_k, dim=1)  # [tokens, k]
+    gates = torch.softmax(top_logits, dim=1).type_as(hidden)
+    order = top_experts.flatten().sort(0)[1]  # [tokens * k]: (token, slot) pairs grouped by expert
+    total, experts = order.shape[0], router.num_experts
+    sizes = [total // experts + (i < total % experts) for i in range(experts)]
+    return order, order.div(router.top_k, rounding_mode="trunc"), gates.flatten()[order], sizes, logits
+
+
+META_ROUTERS = {"GraniteMoeTopKGating": _granite_router}
+"""Router classes whose forward reads tensor values (which the meta device does not have), by class
+name: a stand-in with the same outputs and an even split, used by the analytic model only."""
 
 
 def _meta_forward_or_refuse(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) -> None:
     """`_meta_forward`, or one ValueError when the model's forward reads tensor values, which meta
-    tensors do not have (GraniteMoE's expert split sizes are taken with `.tolist()`)."""
+    tensors do not have (e.g. a router that takes its split sizes with `.tolist()` and has no stand-in
+    in META_ROUTERS)."""
     try:
         _meta_forward(model, runtime, tokens, dtype)
     except (NotImplementedError, RuntimeError) as err:
@@ -114,6 +139,10 @@ def analytic_costs(config: PretrainedConfig, tokens: int, seq_len: int, dtype: t
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").train()
         except ValueError:  # a family transformers runs in eager attention only (GPT-OSS's sinks)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").train()
+    for module in model.modules():  # before attach, whose wrappers then run the stand-ins
+        router = META_ROUTERS.get(type(module).__name__)
+        if router is not None:
+            module.forward = types.MethodType(router, module)
     runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=0))
     try:
         _meta_forward_or_refuse(model, runtime, tokens, dtype)

@@ -46,10 +46,12 @@ def apply_geometry(t: torch.Tensor, geometry: Geometry | None) -> torch.Tensor:
 
 
 def storage_id(t: torch.Tensor):
-    """The storage's address. Meta tensors (shape-only planning) have none: their base tensor's id
-    stands in, which tells views of one tensor apart from other tensors."""
+    """The storage's address. Meta tensors (shape-only planning) have no data address: their storage
+    object's (the StorageImpl's) address stands in, shared by views and alive as long as any of them.
+    (A Python id of `t._base` is not: a base's Python object can die while its views live, and
+    `_base` then hands out a new object, whose id another tensor may have had.)"""
     if t.device.type == "meta":
-        return "meta", id(t._base if t._base is not None else t)
+        return "meta", t.untyped_storage()._cdata
     return t.untyped_storage().data_ptr()
 
 

@@ -59,7 +59,6 @@ class _Entry:
     record: CallRecord | None
     locator: tuple | None
     anchor: Any  # weakref to the registered tensor
-    pin: Any = None  # meta tensors: the object whose id is the key, held so that the id is not reused
 
 
 @dataclass
@@ -386,10 +385,7 @@ class Runtime(SavedTensorHooks):
         entry = self._fwd.registry.get(ptr)
         if entry is not None and entry.anchor() is not None:
             return  # first producer wins (a module may return a view of its input)
-        # a meta key is a Python id (records.storage_id): without the pin, a view's base object can die
-        # while the view lives, and a new tensor with the same id would be taken for the view's
-        pin = (t._base if t._base is not None else t) if t.device.type == "meta" else None
-        self._fwd.registry[ptr] = _Entry(unit, record, locator, weakref.ref(t), pin)
+        self._fwd.registry[ptr] = _Entry(unit, record, locator, weakref.ref(t))
 
     def _lookup(self, t: torch.Tensor) -> _Entry | None:
         entry = self._fwd.registry.get(storage_id(t))
