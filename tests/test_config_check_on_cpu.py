@@ -38,7 +38,8 @@ def _cohere(path) -> str:
     from transformers import CohereConfig
 
     CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(path)
+                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 architectures=["CohereForCausalLM"]).save_pretrained(path)  # verl picks the class by it
     return str(path)
 
 

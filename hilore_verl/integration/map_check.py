@@ -28,10 +28,11 @@ WORKER_HINT = ("With verl, make the register_map call in a module named by actor
 def check_unit_map(model_config) -> None:
     """Refuse, with the unit map's own ValueError, a model `attach` would refuse in every worker."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from hilore_verl.units import find_units
     from verl.utils.import_utils import import_external_libs
+    from verl.utils.model import get_hf_auto_model_class
 
     path = model_config.get("hf_config_path") or model_config.get("path")
     if not path or not os.path.isfile(os.path.join(str(path), "config.json")):
@@ -41,8 +42,8 @@ def check_unit_map(model_config) -> None:
     trust = bool(model_config.get("trust_remote_code", False))
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
+        with torch.device("meta"):  # the class verl's engine builds (a causal LM, or a VLM's)
+            model = get_hf_auto_model_class(config).from_config(config, trust_remote_code=trust)
     except Exception as err:  # remote code, a multimodal config, a transformers too old for it: verl decides
         logger.info("hilore-verl: the unit map of %s is checked when the engine starts (the meta device "
                     "could not build it here: %s)", path, str(err).splitlines()[0] if str(err) else type(err).__name__)

@@ -90,23 +90,25 @@ class SavedTensorHooks:
             # an input of a standalone call, made before it (in the closed forward): the call's unit owns
             # the save, kept exact in every mode (the call cannot make it again): counted as pinned, so the
             # planner reserves no backward transient for it and no codec saving
-            kept = Kept(t)
-            fwd.stats.add(fwd.inputs_of, storage_key(t), kept.tensor, stored=t.numel() * t.element_size(),
-                          incompressible=True, pinned=True)
-            return kept
+            return self._keep(t, fwd.inputs_of, fwd, pinned=True)
         if unit is None and fwd.tail is not None:
             # the model's own code after the head (Gemma-2's final logit soft-cap): the head's, kept or
             # compressed as its plan says; it cannot run again, so under recompute it is kept
             if fwd.plans[fwd.tail.index].mode == Mode.RECOMPUTE:
-                kept = Kept(t)
-                fwd.stats.add(fwd.tail, storage_key(t), kept.tensor, stored=t.numel() * t.element_size())
-                return kept
+                return self._keep(t, fwd.tail, fwd)
             return self._store(t, fwd.tail, None, None, None, fwd)
         if unit is None:
             kept = Kept(t)
             fwd.stats.add_unmanaged(kept.tensor, False)
             return kept
         return self._store(t, unit, record, locator, geometry, fwd)
+
+    @staticmethod
+    def _keep(t, unit, fwd, pinned: bool = False) -> Kept:
+        """Hold `t` exact as `unit`'s saved tensor, whatever the unit's mode."""
+        kept = Kept(t)
+        fwd.stats.add(unit, storage_key(t), kept.tensor, stored=t.numel() * t.element_size(), pinned=pinned)
+        return kept
 
     def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
         """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
