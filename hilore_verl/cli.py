@@ -125,6 +125,28 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _gpu_check(args: argparse.Namespace) -> int:
+    from hilore_verl.gpucheck import STAGES, run_check
+
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else tuple(STAGES)
+    bad = [s for s in stages if s not in STAGES] or ([] if stages else ["(none)"])
+    if bad:
+        print(f"hilore-verl gpu-check: unknown stage {bad[0]!r}; valid: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("hilore-verl gpu-check: no CUDA device here; run it on a GPU machine, or `--device cpu --tiny` "
+                  "for the CPU rehearsal", file=sys.stderr)
+            return 2
+    command = " ".join(["hilore-verl", *sys.argv[1:]]) if sys.argv[1:2] == ["gpu-check"] else "hilore-verl gpu-check"
+    report = run_check(args.out, args.device, args.tiny, stages, args.time_limit_s, command=command,
+                       echo=lambda line: print(line, flush=True))
+    print(f"wrote {os.path.join(args.out, 'gpu_check.json')} and {os.path.join(args.out, 'gpu_check.md')}")
+    return 0 if report["passed"] else 1
+
+
 def _tiny_task(args) -> int:
     from hilore_verl.tiny_task import make_tiny_task
 
@@ -197,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--append", metavar="PATH", type=_output_path,
                        help="append this run (date, command, summary, per-method figures) as one JSON line")
     bench.set_defaults(func=_bench)
+    check = sub.add_parser("gpu-check", help="validate and measure hilore-verl on one GPU in one run (<= 8 min; "
+                                             "needs torch, triton, transformers, numpy only)")
+    check.add_argument("--out", required=True, help="folder for gpu_check.json, gpu_check.md and per-stage files")
+    check.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu")
+    check.add_argument("--tiny", action="store_true", help="tiny sizes in every stage (the CPU rehearsal)")
+    check.add_argument("--stages", default=None, help="comma-separated subset of: environment, codecs, runtime, "
+                                                      "model, profile (default: all, in that order)")
+    check.add_argument("--time-limit-s", type=_number(0.0, inclusive=False), default=480.0,
+                       help="the whole check's time limit in seconds (default 480); each stage has its own too")
+    check.set_defaults(func=_gpu_check)
     return parser
 
 

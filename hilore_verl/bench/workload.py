@@ -54,6 +54,11 @@ class BenchConfig:
     """CPU: bf16 autocast over fp32 weights (False: fp32 throughout). CUDA runs bf16 weights either way."""
     profile_tokens: int = 2048
     """The planners' probe bound, as hilore.profile_tokens (and at most 1/8 of the step's tokens)."""
+    model_layers: int | None = None
+    """With `model`: keep only its first this many decoder layers (None: all of them)."""
+    master_fp32: bool = False
+    """CUDA: fp32 weights, gradients and AdamW state with bf16 autocast activations (verl's FSDP mixed
+    precision) instead of bf16 weights."""
 
     @property
     def intermediate_size(self) -> int:
@@ -77,14 +82,17 @@ def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def dtype() -> torch.dtype:
-    return torch.bfloat16 if device().type == "cuda" else torch.float32
+def dtype(config: BenchConfig | None = None) -> torch.dtype:
+    cuda_bf16 = device().type == "cuda" and not (config is not None and config.master_fp32)
+    return torch.bfloat16 if cuda_bf16 else torch.float32
 
 
 def forward_context(config: BenchConfig):
-    """What the forward runs under: bf16 autocast on the CPU (verl's mixed precision), else nothing."""
-    enabled = config.autocast and device().type == "cpu"
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+    """What the forward runs under: bf16 autocast on the CPU and with `master_fp32` on CUDA (verl's
+    mixed precision), else nothing."""
+    kind = device().type
+    enabled = config.autocast and (kind == "cpu" or config.master_fp32)
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=enabled)
 
 
 def build_model(config: BenchConfig) -> torch.nn.Module:
@@ -93,12 +101,16 @@ def build_model(config: BenchConfig) -> torch.nn.Module:
 
         from hilore_verl.presets import load_config
 
-        with torch.random.fork_rng(devices=[]):
+        hf_config = load_config(config.model)
+        if config.model_layers is not None:
+            hf_config.num_hidden_layers = min(config.model_layers, hf_config.num_hidden_layers)
+            if isinstance(getattr(hf_config, "layer_types", None), list):
+                hf_config.layer_types = hf_config.layer_types[:hf_config.num_hidden_layers]
+        with torch.random.fork_rng(devices=[]), torch.device(device()):  # initialised where it trains
             torch.manual_seed(config.seed)
-            model = AutoModelForCausalLM.from_config(load_config(config.model), dtype=dtype(),
-                                                     attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype(config), attn_implementation="sdpa")
     else:
-        model = build_tiny_model("qwen2", seed=config.seed, dtype=dtype(), hidden_size=config.hidden_size,
+        model = build_tiny_model("qwen2", seed=config.seed, dtype=dtype(config), hidden_size=config.hidden_size,
                                  intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
                                  num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
                                  vocab_size=config.vocab_size, max_position_embeddings=4096)

@@ -1,0 +1,179 @@
+"""The benchmark's actor update driven by `Session`, the code verl's engine runs around each mini-batch.
+
+`BenchPasses` is what the session asks of a framework (session.Passes), for the bench's model and
+batch (bench/workload.py); `SessionMethod` runs one actor update the way `HiLoReFSDPEngine` does:
+
+    session.train(micro_batches, step)      first call: probe, profile, calibrate, build the controller
+      step():  for each micro-batch: before_forward (plan) -> forward -> after_forward (risk) -> backward
+               session.optimizer_step(AdamW.step)
+
+so what a GPU check measures with it is the product's planning, profiling and retry path, not a copy.
+A micro-batch here is one bench batch (one packed row, or padded rows).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import hilore_verl
+from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, loss_of, probe_batch, static_bytes,
+                                        tokens_of)
+from hilore_verl.config import HiLoReConfig
+from hilore_verl.session import Session
+
+
+def _meminfo_available() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def _positions_in_sequence(target_seq: torch.Tensor) -> torch.Tensor:
+    """(N,) index of each response token within its sequence (tokens of a sequence are contiguous, in order)."""
+    n = target_seq.numel()
+    start = torch.ones(n, dtype=torch.bool, device=target_seq.device)
+    start[1:] = target_seq[1:] != target_seq[:-1]
+    first = torch.cummax(torch.where(start, torch.arange(n, device=target_seq.device), 0), 0).values
+    return torch.arange(n, device=target_seq.device) - first
+
+
+class BenchPasses:
+    """session.Passes for a bench model: coefficients are the batch's `coef`, laid out (sequences, tokens)."""
+
+    has_coefficients = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: BenchConfig, runtime):
+        self.model, self.optimizer, self.config, self.runtime = model, optimizer, config, runtime
+        weights = next(model.parameters())
+        cpu_autocast = config.autocast and weights.device.type == "cpu"
+        self.element_size = 2 if cpu_autocast or getattr(config, "master_fp32", False) else weights.element_size()
+
+    def _head(self, fn, *args):
+        return self.runtime.call("head", fn, *args)
+
+    def loss(self, batch, c: torch.Tensor | None = None) -> torch.Tensor:
+        with forward_context(self.config):
+            return loss_of(self.model, batch, batch["coef"] if c is None else c, self._head)
+
+    def lengths(self, batch) -> list[int]:
+        return batch["seq_lens"].tolist()
+
+    def select(self, batch, index: list[int]):
+        return probe_batch(batch, index)
+
+    def train_pass(self, batch) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(batch).backward()
+
+    def coefficients(self, batch) -> torch.Tensor:
+        """(sequences, longest response) c_t, zero past each response."""
+        seq, pos = batch["target_seq"], _positions_in_sequence(batch["target_seq"])
+        out = torch.zeros(len(batch["seq_lens"]), int(pos.max()) + 1 if pos.numel() else 1,
+                          dtype=batch["coef"].dtype, device=batch["coef"].device)
+        out[seq, pos] = batch["coef"]
+        return out
+
+    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> torch.Tensor:
+        flat = c[batch["target_seq"], _positions_in_sequence(batch["target_seq"])].to(batch["coef"].dtype)
+        self.runtime.set_plan(plan)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(batch, flat).backward()
+        return torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
+
+    def exposure_l2(self, batch, log_prob=None) -> float:
+        return float(batch["coef"].double().pow(2).sum().sqrt())
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def recover(self) -> None:
+        self.zero_grad()
+        self.empty_cache()
+
+    def empty_cache(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def static_bytes(self) -> float:
+        return float(static_bytes(self.model))
+
+    def free_bytes(self) -> float:
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return float(free + torch.cuda.memory_reserved(device))
+        return _meminfo_available()
+
+
+class SessionMethod:
+    """A fresh policy copy whose actor update runs through `Session` (HiLoRe or its keep/recompute planner)."""
+
+    def __init__(self, name: str, config: BenchConfig, hilore: HiLoReConfig):
+        self.name, self.config = name, config
+        self.model = build_model(config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.runtime = hilore_verl.attach(self.model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
+                                                                                seed=hilore.seed))
+        self.passes = BenchPasses(self.model, self.optimizer, config, self.runtime)
+        self.session = Session(hilore, self.runtime, self.passes)
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def controller(self):
+        return self.session.controller
+
+    def step(self, batch) -> float:
+        """One actor update (the first one profiles and calibrates); returns its seconds."""
+        _sync()
+        start = time.perf_counter()
+        _, self.metrics = self.session.train([batch], lambda: self._framework_step([batch]), tokens_of)
+        _sync()
+        return time.perf_counter() - start
+
+    def _framework_step(self, micro_batches) -> None:
+        """What the framework's train_batch does, with the session's per-micro-batch hooks."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            index = self.session.before_forward()
+            loss = self.passes.loss(mb)
+            if self.session.records_risk():
+                self.session.after_forward(index, self.passes.exposure_l2(mb))
+            loss.backward()
+        self.session.optimizer_step(self.optimizer.step, None)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def predicted(self, tokens: int) -> dict:
+        """The controller's last plan at `tokens`: predicted peak, and predicted seconds over keeping every
+        unit, for the plan and for full recompute (the cost model's view of GC)."""
+        controller = self.controller
+        plan = controller.history[-1].plan
+        costs = controller.costs
+
+        def extra(choice_of) -> float:
+            total = 0.0
+            for unit in costs.units:
+                options = {o.name: o for o in costs.options(unit, tokens)}
+                total += options[choice_of(unit.name)].time
+            return total
+
+        return {"predicted_peak_bytes": controller.history[-1].predicted_peak,
+                "gc_predicted_peak_bytes": controller.predicted_peak({u.name: "recompute" for u in costs.units}, tokens),
+                "predicted_extra_s": extra(lambda n: plan[n]),
+                "gc_predicted_extra_s": extra(lambda n: "recompute"),
+                "plan_counts": _counts(plan)}
+
+
+def _counts(plan: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for choice in plan.values():
+        counts[choice] = counts.get(choice, 0) + 1
+    return counts
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

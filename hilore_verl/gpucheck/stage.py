@@ -1,0 +1,73 @@
+"""One stage of the check in this process: `python -m hilore_verl.gpucheck.stage NAME --device D --out DIR [--tiny]`.
+
+A stage is a function `(report: StageReport, ctx: Context) -> None` that records checks (pass / fail
+with a detail line) and figures; `StageReport` rewrites DIR/stage_NAME.json after every record, so
+what was measured survives a stage killed at its time limit. An exception is recorded as a failed
+check and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Context:
+    device: str  # "cuda" or "cpu"
+    tiny: bool  # the CPU-sized version of every workload
+    out: str
+
+
+class StageReport:
+    def __init__(self, path: str):
+        self.path = path
+        self.data = {"checks": [], "figures": {}}
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.data["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+        self._write()
+        return bool(ok)
+
+    def figure(self, key: str, value) -> None:
+        self.data["figures"][key] = value
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+
+def _stages():
+    from hilore_verl.gpucheck import model, profiling, stages
+
+    return {"environment": stages.environment, "codecs": stages.codecs, "runtime": stages.runtime,
+            "model": model.model_stage, "profile": profiling.profile_stage}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hilore_verl.gpucheck.stage")
+    parser.add_argument("name")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    report = StageReport(os.path.join(args.out, f"stage_{args.name}.json"))
+    report._write()
+    try:
+        _stages()[args.name](report, Context(args.device, args.tiny, args.out))
+    except BaseException as err:  # recorded, then the process fails
+        report.check("stage ran to the end", False, f"{type(err).__name__}: {err}".splitlines()[0][:300])
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""The check's first three stages: environment, codecs, runtime (see gpucheck/__init__.py).
+
+On the CPU (`--device cpu`, Triton's interpreter) the same code runs at tiny sizes; what only a GPU
+can show (a compiled launch, bandwidth beyond L2, host synchronisations) is recorded as a figure there,
+not passed as a check.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import platform
+import shutil
+import statistics
+import sysconfig
+import time
+from importlib import metadata
+
+import torch
+
+from hilore_verl.gpucheck.stage import Context, StageReport
+
+PACKAGES = ("torch", "triton", "transformers", "numpy", "verl", "ray")
+MIB = 2**20
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _device(ctx: Context) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bits as integers, so that NaN payloads compare too."""
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return t.view(view[t.dtype]) if t.dtype in view else t
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that any NaN equals any NaN (sign and payload of a NaN carry nothing)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = _bits(a) == _bits(b)
+    if a.is_floating_point():
+        same |= torch.isnan(a) & torch.isnan(b)
+    return bool(same.all())
+
+
+def launch_problems() -> list[str]:
+    """What Triton's launcher needs on a CUDA machine that is missing here (empty: nothing found missing)."""
+    problems = []
+    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)]
+    if not compilers:
+        problems.append("no C compiler (cc, gcc, clang or $CC) for Triton's launcher")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        problems.append(f"no Python.h in {sysconfig.get_paths()['include']} (install the Python headers)")
+    if ctypes.util.find_library("cuda") is None and not os.path.exists("/usr/lib/x86_64-linux-gnu/libcuda.so.1"):
+        try:
+            from triton.backends.nvidia.driver import libcuda_dirs
+
+            libcuda_dirs()
+        except Exception:
+            problems.append("no libcuda (the NVIDIA driver's library) found")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- environment
+def environment(report: StageReport, ctx: Context) -> None:
+    report.figure("versions", {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES},
+                               "torch_cuda": torch.version.cuda, "hilore_verl": _hilore_version()})
+    device = _device(ctx)
+    if ctx.device == "cuda":
+        if not report.check("CUDA device", torch.cuda.is_available(), "torch.cuda.is_available()"):
+            return
+        props = torch.cuda.get_device_properties(device)
+        report.figure("device", {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                                 "memory_gib": round(props.total_memory / 2**30, 1),
+                                 "multiprocessors": props.multi_processor_count})
+        problems = launch_problems()
+        report.check("Triton launcher prerequisites", not problems, "; ".join(problems) or
+                     "C compiler, Python.h and libcuda present")
+    else:
+        report.figure("device", {"name": f"CPU ({os.cpu_count()} cores, {platform.machine()})"})
+        report.figure("launcher_prerequisites_missing", launch_problems())  # informational on the CPU
+    from hilore_verl.kernels import reference, triton_codec
+
+    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    try:
+        q = triton_codec.quantize(x, "int8", 64)
+        y = triton_codec.dequantize(q)
+    except Exception as err:
+        report.check("one Triton launch (quantize + dequantize)", False, f"{type(err).__name__}: {err}"[:300])
+        return
+    ref = reference.quantize(x, "int8", 64)
+    same = torch.equal(q.codes, ref.codes) and _same_bits(y, reference.dequantize(ref))
+    report.check("one Triton launch (quantize + dequantize)", same,
+                 f"bitwise the reference: {same}; first launch {time.perf_counter() - start:.2f} s (compilation)")
+
+
+def _hilore_version() -> str:
+    from hilore_verl import __version__
+
+    return __version__
+
+
+# ---------------------------------------------------------------------------------------------- codecs
+def mix_one_seed() -> int:
+    """A seed whose seed_mix is 1 (an integer argument equal to 1 is where Triton specialises)."""
+    from hilore_verl.kernels.reference import _SEED_MUL
+
+    return pow(_SEED_MUL, -1, 2**31)
+
+
+def _codec_cases(tiny: bool):
+    """(shape, group size, stochastic variants): odd row counts, several groups per row, 3-d shapes."""
+    shapes = [(1, 64), (37, 192), (2, 5, 128)] if tiny else \
+        [(1, 64), (3, 128), (37, 192), (2, 5, 320), (33, 64), (4096, 1536), (1000, 3584), (7, 129 * 64)]
+    rounding = ((False, 0), (True, mix_one_seed())) if tiny else ((False, 0), (True, 7), (True, mix_one_seed()))
+    for shape in shapes:
+        for group in (32, 64, 128):
+            if shape[-1] % group == 0 and (not tiny or group == 64 or shape == (37, 192)):
+                yield shape, group, rounding
+
+
+def codecs(report: StageReport, ctx: Context) -> None:
+    from hilore_verl.kernels import DTYPES, FORMATS, reference, triton_codec
+
+    device = _device(ctx)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    failures, cases = [], 0
+    for shape, group, rounding in _codec_cases(ctx.tiny):
+        for dtype in DTYPES:
+            base = (torch.randn(shape, generator=gen) * 3).to(dtype)
+            if base.numel() >= 2 * group:  # non-finite groups: inf in one, nan in another, -inf in a third
+                flat = base.view(-1)
+                flat[1], flat[group + 2] = float("inf"), float("nan")
+                if flat.numel() >= 3 * group:
+                    flat[2 * group] = float("-inf")
+            x = base.to(device)
+            for fmt in FORMATS:
+                for stochastic, seed in rounding:
+                    cases += 1
+                    label = f"{fmt} {str(dtype)[6:]} {tuple(shape)} g{group}" + (f" sr seed {seed}" if stochastic else "")
+                    try:
+                        q = triton_codec.quantize(x, fmt, group, stochastic, seed)
+                        r = reference.quantize(x, fmt, group, stochastic, seed)
+                        ok = (torch.equal(q.codes, r.codes) and _same_bits(q.scales, r.scales)
+                              and torch.equal(q.flags, r.flags)
+                              and _same_bits(triton_codec.dequantize(r), reference.dequantize(r)))
+                    except Exception as err:
+                        ok, label = False, f"{label}: {type(err).__name__}: {str(err)[:120]}"
+                    if not ok:
+                        failures.append(label)
+    report.figure("bitwise_cases", cases)
+    report.check("Triton codecs bitwise the reference", not failures,
+                 f"{cases - len(failures)}/{cases} cases equal" + (f"; first failures: {failures[:5]}" if failures else ""))
+    _bandwidth(report, ctx, device)
+
+
+def _timer(device: torch.device):
+    """seconds of fn() on `device`: CUDA events on a GPU, perf_counter on the CPU (median of `n`)."""
+    def time_it(fn, n: int) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(n):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    return time_it
+
+
+def _bandwidth(report: StageReport, ctx: Context, device: torch.device) -> None:
+    """Quantize, dequantize and round trip of bf16 against a device-to-device copy of the same bytes: as
+    GB/s of input and as the copy's time over the codec's (1.0: as fast as a copy). CUDA: 64 MiB-1 GiB
+    (beyond L2); on the CPU the product's CPU codec path at small sizes."""
+    from hilore_verl.kernels import dequantize, quantize
+
+    sizes = (1, 4) if ctx.tiny else (64, 256, 1024)
+    time_it, n = _timer(device), 3 if ctx.tiny else 10
+    rows = []
+    for mib in sizes:
+        x = torch.randn(mib * MIB // 2 // 1536, 1536, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(x)
+        copy_s = time_it(lambda: dst.copy_(x), n)
+        for fmt in ("int8", "fp8", "int4"):
+            q = quantize(x, fmt, 64)
+            quant_s = time_it(lambda: quantize(x, fmt, 64), n)
+            deq_s = time_it(lambda: dequantize(q), n)
+            gb = x.numel() * 2 / 1e9
+            rows.append({"mib": mib, "format": fmt, "copy_gbps": round(gb / copy_s, 2),
+                         "quantize_gbps": round(gb / quant_s, 2), "dequantize_gbps": round(gb / deq_s, 2),
+                         "round_trip_gbps": round(gb / (quant_s + deq_s), 2),
+                         "round_trip_vs_copy": round(copy_s / (quant_s + deq_s), 3)})
+            del q
+        del x, dst
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.figure("bandwidth", rows)
+    report.check("codec bandwidth measured", bool(rows), f"{len(rows)} sizes x formats")
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+def _tiny_policy(ctx: Context):
+    from hilore_verl.tiny_models import build_tiny_model
+
+    size = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=512) if ctx.tiny else \
+        dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=8192)
+    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
+    return build_tiny_model("qwen2", dtype=dtype, **size).to(_device(ctx)).train(), size["vocab_size"]
+
+
+def _grads(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = torch.log_softmax(logits.float(), -1)[..., :16].mean()  # every position, several classes
+    loss.backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    x = torch.cat([g.flatten().double() for g in a])
+    y = torch.cat([g.flatten().double() for g in b])
+    return float(x @ y / (x.norm() * y.norm())), float((x - y).norm() / y.norm())
+
+
+def _mixes(units) -> dict[str, dict[str, str]]:
+    names = [u.name for u in units]
+    layers = sorted({u.layer_index for u in units if u.layer_index is not None})
+    return {"all keep": {},
+            "all recompute": {n: "recompute" for n in names},
+            "every 3rd unit recomputed": {n: "recompute" for i, n in enumerate(names) if i % 3 == 0},
+            "even layers recomputed": {f"layers.{i}": "recompute" for i in layers if i % 2 == 0},
+            "odd units recomputed": {n: "recompute" for i, n in enumerate(names) if i % 2 == 1}}
+
+
+BOUNDS = {"int8": 0.999, "fp8": 0.995, "int4": 0.95}  # gradient cosine against the exact one
+
+
+def runtime(report: StageReport, ctx: Context) -> None:
+    import copy
+
+    import hilore_verl
+    from hilore_verl import Plan
+
+    device = _device(ctx)
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    plain, vocab = _tiny_policy(ctx)
+    model = copy.deepcopy(plain)
+    rt = hilore_verl.attach(model)
+    tokens = 96 if ctx.tiny else 1024
+    ids = torch.randint(0, vocab, (2, tokens), device=device)
+    with sdpa_kernel(SDPBackend.MATH):  # a deterministic attention backward: what is compared is the runtime
+        exact = _grads(plain, ids)
+        for label, plan in _mixes(rt.units).items():
+            rt.set_plan(plan)
+            grads = _grads(model, ids)
+            report.check(f"bitwise: {label}", all(torch.equal(a, b) for a, b in zip(grads, exact)),
+                         f"{len(plan)} plan entries")
+    rt.set_plan({})
+    same = all(torch.equal(a, b) for a, b in zip(_grads(model, ids), _grads(plain, ids)))
+    report.figure("default_attention_backend_bitwise_keep", same)  # atomics in some backends: informational
+    cosines = {}
+    for fmt, bound in BOUNDS.items():
+        rt.set_plan(Plan(default=fmt))
+        cos, rel = _cosine(_grads(model, ids), _grads(plain, ids))
+        cosines[fmt] = {"cosine": round(cos, 6), "rel_error": round(rel, 5)}
+        report.check(f"{fmt} everywhere: gradient cosine >= {bound}", cos >= bound, f"cosine {cos:.6f}, rel {rel:.4f}")
+    report.figure("compressed_gradients", cosines)
+    _offload_steps(report, ctx, rt, model, vocab, device)
+    _host_syncs(report, ctx, rt, model, plain, ids)
+    rt.detach()
+
+
+def _offload_steps(report, ctx, rt, model, vocab, device) -> None:
+    from hilore_verl import Mode, Plan, UnitPlan
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    equal, steps = True, 6
+    lengths = []
+    for _ in range(steps):  # a new token count every step, as verl's dynamic batch sizes give
+        n = int(torch.randint(16, 128 if ctx.tiny else 2048, (1,), generator=gen))
+        lengths.append(n)
+        ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        rt.set_plan(Plan(default="int8"))
+        in_place = _grads(model, ids)
+        rt.set_plan(Plan(default=UnitPlan(Mode.COMPRESS, fmt="int8", offload=True)))
+        offloaded = _grads(model, ids)
+        equal &= all(torch.equal(a, b) for a, b in zip(in_place, offloaded))
+    stats = rt.stats()
+    pool = {k: getattr(stats, k) for k in dir(stats) if "pool" in k and not k.startswith("_")}
+    report.figure("offload", {"token_counts": lengths, **{k: v for k, v in pool.items() if isinstance(v, (int, float))}})
+    report.check(f"offload over {steps} steps of varying tokens equals in-place compression", equal,
+                 f"token counts {lengths}")
+
+
+def _host_syncs(report, ctx, rt, model, plain, ids) -> None:
+    """Device-to-host synchronisations in one forward + backward (torch's sync debug mode; CUDA only)."""
+    from hilore_verl import Plan
+
+    if ctx.device != "cuda":
+        report.figure("host_syncs_per_step", "not measurable on the CPU (no asynchronous device)")
+        return
+    import warnings
+
+    counts = {}
+    for label, module, plan in (("plain model", plain, None), ("runtime: keep", model, {}),
+                                ("runtime: int8", model, Plan(default="int8")),
+                                ("runtime: recompute", model, {u.name: "recompute" for u in rt.units})):
+        if plan is not None:
+            rt.set_plan(plan)
+        _grads(module, ids)  # warm-up outside the count
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _grads(module, ids)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[label] = sum("synchroniz" in str(w.message) for w in caught)
+    report.figure("host_syncs_per_step", counts)
+    extra = max(counts[k] - counts["plain model"] for k in counts)
+    report.check("the runtime adds no host synchronisation to a step", extra <= 0, str(counts))
