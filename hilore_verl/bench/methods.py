@@ -78,9 +78,14 @@ class Method:
     def gradient(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         self.forward_backward(batch)
-        grad = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
+        grad = torch.cat([_full(p.grad).flatten() for p in self.model.parameters() if p.grad is not None])
         self.optimizer.zero_grad(set_to_none=True)
         return grad.double()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A gradient as one plain tensor: a DTensor's (verl_offload's FSDP2-wrapped model) gathered whole."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _sync() -> None:
@@ -136,6 +141,8 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_verl_activation_offload(model)
+        # fully_shard replaced the parameters by DTensors: the optimizer must hold those
+        method.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     elif name in RUNTIME_ONLY:
         method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
         method.runtime.set_plan(hilore_verl.Plan(default=RUNTIME_ONLY[name]))

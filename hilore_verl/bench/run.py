@@ -67,6 +67,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 f"{100 * static / early['gc']['peak_bytes']:.0f}% of GC's peak ({early['gc']['peak_bytes'] / 2**20:.0f} "
                 f"MiB); a GPU job is at most {100 * MAX_STATIC_SHARE:.0f}%: raise the tokens per step (--groups, "
                 "--group-size, --response-len) or shrink the model (--hidden, --layers, --vocab)")
+    _refuse_if_resident_copies_do_not_fit(config, methods)
     built: dict[str, M.Method] = {}
     planners = [m for m in methods if m in M.PLANNERS]
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
@@ -85,7 +86,14 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
             results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
         progress.tick(f"built {name}")
-    exact = built["no_gc"].gradient(batch) if "no_gc" in built else None
+    exact = None
+    if "no_gc" in built:  # the reference gradient; no_gc may not fit where GC does
+        try:
+            exact = built["no_gc"].gradient(batch)
+        except Exception as err:  # noqa: BLE001 - the others are still timed, without a gradient error
+            results["no_gc"] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+            built.pop("no_gc")
+            _free_device_memory()
     for name, method in list(built.items()):
         try:
             if exact is not None:
@@ -147,6 +155,25 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
     report["summary"] = summarize(report)
     return report
+
+
+def _free_device_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _refuse_if_resident_copies_do_not_fit(config: BenchConfig, methods) -> None:
+    """The timed rounds interleave the methods, so every method's model copy (weights, gradients, AdamW)
+    is resident at once; on a GPU that must fit beside one step's activations."""
+    if not torch.cuda.is_available():
+        return
+    params = sum(p.numel() for p in build_model(config, "meta").parameters())
+    need = params * 4 * (2 if config.master_fp32 else 1) * 2 * len(methods)  # weights + grads + 2 moments
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.7 * free:
+        raise WorkloadRefused(f"{len(methods)} methods x {params / 1e9:.2f} B parameters stay resident for the "
+                              f"interleaved rounds ({need / 2**30:.0f} GiB of {free / 2**30:.0f} GiB free): name fewer "
+                              "--methods, or run `hilore-verl gpu-check`, which runs each method in its own process")
 
 
 def _all(controller: Controller, choice: str) -> dict[str, str]:

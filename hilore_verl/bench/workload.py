@@ -95,7 +95,9 @@ def forward_context(config: BenchConfig):
     return torch.autocast(kind, dtype=torch.bfloat16, enabled=enabled)
 
 
-def build_model(config: BenchConfig) -> torch.nn.Module:
+def build_model(config: BenchConfig, where: torch.device | str | None = None) -> torch.nn.Module:
+    """The policy, initialised on `where` (default: the device it trains on; "meta": shapes only)."""
+    where = torch.device(where) if where is not None else device()
     if config.model is not None:
         from transformers import AutoModelForCausalLM
 
@@ -106,15 +108,16 @@ def build_model(config: BenchConfig) -> torch.nn.Module:
             hf_config.num_hidden_layers = min(config.model_layers, hf_config.num_hidden_layers)
             if isinstance(getattr(hf_config, "layer_types", None), list):
                 hf_config.layer_types = hf_config.layer_types[:hf_config.num_hidden_layers]
-        with torch.random.fork_rng(devices=[]), torch.device(device()):  # initialised where it trains
+        with torch.random.fork_rng(devices=[]), where:  # initialised where it trains
             torch.manual_seed(config.seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype(config), attn_implementation="sdpa")
     else:
-        model = build_tiny_model("qwen2", seed=config.seed, dtype=dtype(config), hidden_size=config.hidden_size,
-                                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-                                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                                 vocab_size=config.vocab_size, max_position_embeddings=4096)
-    return model.to(device()).train()
+        with where if where.type == "meta" else torch.device("cpu"):
+            model = build_tiny_model("qwen2", seed=config.seed, dtype=dtype(config), hidden_size=config.hidden_size,
+                                     intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                                     num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                                     vocab_size=config.vocab_size, max_position_embeddings=4096)
+    return model if where.type == "meta" else model.to(where).train()
 
 
 def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:

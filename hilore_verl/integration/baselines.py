@@ -9,6 +9,7 @@ layer and copies them to host memory on a side stream.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -17,14 +18,21 @@ import hilore_verl.integration  # noqa: F401  (version check)
 from verl.utils.activation_offload import enable_activation_offloading
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def enable_verl_activation_offload(model: torch.nn.Module) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("verl's activation offload needs a CUDA device")
     from torch.distributed.fsdp import fully_shard
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a one-rank group on a free port (another job may hold any fixed one)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29571")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl", rank=0, world_size=1)
     for layer in model.get_decoder().layers:
         fully_shard(layer)
