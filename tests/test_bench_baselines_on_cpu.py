@@ -55,3 +55,27 @@ def test_the_gpu_bench_refuses_copies_that_cannot_stay_resident(monkeypatch):
     monkeypatch.setattr(R.torch.cuda, "mem_get_info", lambda *a: (2**20, 2**30))  # 1 MiB free
     with pytest.raises(R.WorkloadRefused, match="gpu-check"):
         R._refuse_if_resident_copies_do_not_fit(TINY, ("gc", "hilore"))
+
+
+def test_master_adamw_steps_fp32_masters_and_rounds_back():
+    from hilore_verl.bench.workload import MasterAdamW, make_optimizer, static_bytes
+
+    torch.manual_seed(0)
+    low = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    ref = torch.nn.Linear(64, 32)
+    ref.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    opt, ref_opt = MasterAdamW(low.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        low(x.bfloat16()).float().pow(2).sum().backward()
+        for p, q in zip(low.parameters(), ref.parameters()):
+            q.grad = p.grad.float()  # the same gradient, widened
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        for p, q in zip(low.parameters(), ref.parameters()):
+            assert torch.equal(p, q.detach().to(torch.bfloat16))  # the weight is its master rounded
+    assert all(p.grad is None for p in low.parameters())
+    assert isinstance(make_optimizer(low, BenchConfig(master_fp32=True)), MasterAdamW)
+    assert isinstance(make_optimizer(ref, BenchConfig(master_fp32=True)), torch.optim.AdamW)  # fp32: no copy
+    n = sum(p.numel() for p in low.parameters())
+    assert static_bytes(low, BenchConfig(master_fp32=True)) == 16 * n and static_bytes(low) == 8 * n

@@ -1,5 +1,7 @@
 """What verl's workers need without an accelerator, applied by the plugin when verl imports them:
-a valid process group, verl's FSDP engines for the CPU, offload without pinned memory."""
+a valid process group, verl's FSDP engines for the CPU, offload without pinned memory.
+
+Each process runs on the CPU platform (VERL_PLATFORM=cpu), so a GPU host runs the same checks."""
 
 import textwrap
 from pathlib import Path
@@ -8,7 +10,7 @@ from tests.harness.subprocess import run_python
 
 
 def _run(code: str, **env) -> str:
-    proc = run_python(textwrap.dedent(code), env={k: str(v) for k, v in env.items()})
+    proc = run_python(textwrap.dedent(code), env={"VERL_PLATFORM": "cpu", **{k: str(v) for k, v in env.items()}})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -64,11 +66,13 @@ def test_offload_policies_ask_for_no_pinned_memory_without_an_accelerator():
     out = _run("""
         import torch, verl
         import verl.workers.engine.fsdp.transformer_impl as impl
+        here = torch.accelerator.is_available()
         policy = impl.CPUOffloadPolicy(pin_memory=True)  # what verl's FSDP2 engine builds for the ref worker
-        assert not torch.accelerator.is_available()
-        print(type(policy).__name__, policy.pin_memory)
+        torch.accelerator.is_available = lambda: False  # a host without an accelerator, on any host
+        without = impl.CPUOffloadPolicy(pin_memory=True)
+        print(type(without).__name__, without.pin_memory, policy.pin_memory == here)
     """)
-    assert out.split() == ["CPUOffloadPolicy", "False"], out
+    assert out.split() == ["CPUOffloadPolicy", "False", "True"], out  # pinned where an accelerator exists
 
 
 def test_a_gpu_host_keeps_verls_code():
@@ -84,4 +88,4 @@ def test_a_gpu_host_keeps_verls_code():
         d.initialize_global_process_group_ray(timeout_second=5)
         print(seen["backend"])
     """)
-    assert out.strip() == "cpu:gloo,cpu:gloo", out  # verl's string, untouched (its device name is cpu here)
+    assert out.strip() == "cpu:gloo,cpu:gloo", out  # verl's string, untouched (its device name is cpu)

@@ -22,7 +22,7 @@ import torch
 
 import hilore_verl
 from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, probe_batch,
-                                        static_bytes, tokens_of)
+                                        make_optimizer, static_bytes, tokens_of)
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller, profile
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
@@ -127,7 +127,7 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
     if name == "verl_offload" and not torch.cuda.is_available():
         raise Unavailable("verl's activation offload copies on a CUDA side stream; no GPU here")
     model = build_model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = make_optimizer(model, config)
     method = Method(name, model, optimizer, c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     if name in ("gc", "hidden_offload", "int8_boundary", "fp8_boundary"):
@@ -142,7 +142,7 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_verl_activation_offload(model)
         # fully_shard replaced the parameters by DTensors: the optimizer must hold those
-        method.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        method.optimizer = make_optimizer(model, config)
     elif name in RUNTIME_ONLY:
         method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
         method.runtime.set_plan(hilore_verl.Plan(default=RUNTIME_ONLY[name]))
@@ -191,7 +191,7 @@ def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: fl
                                  fmts=("int8",), model=RiskModel(), groups={u.name: u.group for u in runtime.units})
     method.optimizer.zero_grad(set_to_none=True)
     # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
-    method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model),
+    method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model, method.config),
                                    risk_budget=risk_budget, token_bucket=1)
 
 
@@ -204,12 +204,12 @@ def planner_state(method: Method) -> dict:
 
 def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
     model = build_model(config)
-    method = Method(name, model, torch.optim.AdamW(model.parameters(), lr=1e-6), c=coefficients(batch), config=config)
+    method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
     saved = state["controller"]
     method.controller = Controller(method.runtime, Controller.costs_from_state(saved), Controller.risk_from_state(saved),
-                                   BudgetConfig(*state["budget"]), static_bytes=static_bytes(model),
+                                   BudgetConfig(*state["budget"]), static_bytes=static_bytes(model, config),
                                    risk_budget=state["risk_budget"], token_bucket=1)
     method.controller.load_state_dict(saved)
     return method

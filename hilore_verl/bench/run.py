@@ -60,7 +60,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     if peaks and "gc" in methods:  # the proportions first: a workload unlike a GPU job is refused before timing
         with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
             early["gc"] = _peak("gc", config, None, tmp)
-        static = static_bytes(build_model(config))
+        static = static_bytes(build_model(config), config)
         if "peak_bytes" in early["gc"] and static > MAX_STATIC_SHARE * early["gc"]["peak_bytes"]:
             raise WorkloadRefused(
                 f"static memory ({static / 2**20:.0f} MiB: weights, gradients, AdamW) is "
@@ -149,7 +149,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 progress.tick("first step hilore")
     any_model = built[next(iter(built))].model if built else None
     report = {"config": config.to_dict(), "tokens": tokens, "padding_share": padding_share(batch),
-              "static_bytes": static_bytes(any_model) if built else None,
+              "static_bytes": static_bytes(any_model, config) if built else None,
               "head_flop_share": head_flop_share(any_model) if built else None, "methods": results, "sweep": sweep_rows,
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}

@@ -5,7 +5,7 @@ batch (bench/workload.py); `SessionMethod` runs one actor update the way `HiLoRe
 
     session.train(micro_batches, step)      first call: probe, profile, calibrate, build the controller
       step():  for each micro-batch: before_forward (plan) -> forward -> after_forward (risk) -> backward
-               session.optimizer_step(AdamW.step)
+               session.optimizer_step(the optimizer's step)
 
 so what a GPU check measures with it is the product's planning, profiling and retry path, not a copy.
 A micro-batch here is one bench batch (one packed row, or padded rows).
@@ -18,8 +18,8 @@ import time
 import torch
 
 import hilore_verl
-from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, loss_of, probe_batch, static_bytes,
-                                        tokens_of)
+from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, loss_of, make_optimizer, probe_batch,
+                                        static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.session import Session
 
@@ -50,7 +50,7 @@ class BenchPasses:
         self.model, self.optimizer, self.config, self.runtime = model, optimizer, config, runtime
         weights = next(model.parameters())
         cpu_autocast = config.autocast and weights.device.type == "cpu"
-        self.element_size = 2 if cpu_autocast or getattr(config, "master_fp32", False) else weights.element_size()
+        self.element_size = 2 if cpu_autocast else weights.element_size()
 
     def _head(self, fn, *args):
         return self.runtime.call("head", fn, *args)
@@ -99,7 +99,7 @@ class BenchPasses:
             torch.cuda.empty_cache()
 
     def static_bytes(self) -> float:
-        return float(static_bytes(self.model))
+        return float(static_bytes(self.model, self.config))
 
     def free_bytes(self) -> float:
         device = next(self.model.parameters()).device
@@ -115,7 +115,7 @@ class SessionMethod:
     def __init__(self, name: str, config: BenchConfig, hilore: HiLoReConfig):
         self.name, self.config = name, config
         self.model = build_model(config)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.optimizer = make_optimizer(self.model, config)
         self.runtime = hilore_verl.attach(self.model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
                                                                                 seed=hilore.seed))
         self.passes = BenchPasses(self.model, self.optimizer, config, self.runtime)

@@ -7,7 +7,8 @@ The loss is the GRPO policy gradient at the on-policy point in verl's token-mean
 so its gradient is the actor update's. Shaped like a verl GPU job:
 
 - precision: on the CPU fp32 weights, gradients and AdamW state with bf16 autocast activations
-  (verl's FSDP mixed precision); on CUDA bf16 weights (Triton codecs);
+  (verl's FSDP mixed precision); on CUDA bf16 weights (Triton codecs), with `master_fp32` stepped by
+  AdamW on fp32 master copies (`MasterAdamW`);
 - layout: the sequences packed into one row with restarting position ids (verl's
   use_remove_padding), so no token is padding; `pack=False` gives verl's left-right padded
   layout, refused when more than 20% of its tokens are padding;
@@ -57,8 +58,8 @@ class BenchConfig:
     model_layers: int | None = None
     """With `model`: keep only its first this many decoder layers (None: all of them)."""
     master_fp32: bool = False
-    """CUDA: fp32 weights, gradients and AdamW state with bf16 autocast activations (verl's FSDP mixed
-    precision) instead of bf16 weights."""
+    """CUDA: bf16 weights and gradients for compute, AdamW on fp32 master copies with fp32 moments (verl's
+    FSDP2 mixed precision on one rank) instead of AdamW on the bf16 weights themselves."""
 
     @property
     def intermediate_size(self) -> int:
@@ -83,16 +84,54 @@ def device() -> torch.device:
 
 
 def dtype(config: BenchConfig | None = None) -> torch.dtype:
-    cuda_bf16 = device().type == "cuda" and not (config is not None and config.master_fp32)
-    return torch.bfloat16 if cuda_bf16 else torch.float32
+    return torch.bfloat16 if device().type == "cuda" else torch.float32
 
 
 def forward_context(config: BenchConfig):
-    """What the forward runs under: bf16 autocast on the CPU and with `master_fp32` on CUDA (verl's
-    mixed precision), else nothing."""
-    kind = device().type
-    enabled = config.autocast and (kind == "cpu" or config.master_fp32)
-    return torch.autocast(kind, dtype=torch.bfloat16, enabled=enabled)
+    """What the forward runs under: bf16 autocast on the CPU (verl's mixed precision), else nothing."""
+    enabled = config.autocast and device().type == "cpu"
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of low-precision weights: after backward each gradient is widened
+    into its master's, the master steps, and the weight takes the master's value rounded back. What
+    verl's FSDP2 mixed precision does on one rank (bf16 compute; fp32 weights, gradients, moments)."""
+
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.inner = torch.optim.AdamW(self.master, lr=lr)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+            m.grad = None
+
+
+def make_optimizer(model: torch.nn.Module, config: BenchConfig):
+    """AdamW as the bench steps it: on fp32 master copies when `master_fp32` and the weights are not fp32."""
+    low = next(model.parameters()).dtype != torch.float32
+    if config.master_fp32 and low:
+        return MasterAdamW(model.parameters(), lr=1e-6)
+    return torch.optim.AdamW(model.parameters(), lr=1e-6)
 
 
 def build_model(config: BenchConfig, where: torch.device | str | None = None) -> torch.nn.Module:
@@ -201,9 +240,15 @@ def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Ten
     return (logp * c).sum()
 
 
-def static_bytes(model: torch.nn.Module) -> int:
-    """Weights + grads + two AdamW moments, in the weights' dtype (fp32 here: 16 bytes per parameter)."""
-    return sum(4 * p.numel() * p.element_size() for p in model.parameters())
+def static_bytes(model: torch.nn.Module, config: BenchConfig | None = None) -> int:
+    """Weights + grads + two AdamW moments in the weights' dtype (fp32 here: 16 bytes per parameter); with
+    fp32 master weights (`master_fp32`, low-precision weights) + the fp32 master and its two moments."""
+    total = 0
+    for p in model.parameters():
+        n, e = p.numel(), p.element_size()
+        master = config is not None and config.master_fp32 and p.dtype != torch.float32
+        total += n * (2 * e + 12) if master else 4 * n * e
+    return total
 
 
 def head_flop_share(model: torch.nn.Module) -> float:

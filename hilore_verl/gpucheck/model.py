@@ -1,7 +1,7 @@
 """The check's model stage: a real architecture, every method in a fresh process, side by side.
 
 Per model (a preset's architecture with random weights, layers truncated to fit the stage's time;
-on CUDA fp32 master weights with bf16 autocast, as verl's FSDP mixed precision trains) and method:
+on CUDA bf16 compute with AdamW on fp32 master weights, as verl's FSDP2 mixed precision trains) and method:
 
     python -m hilore_verl.gpucheck.model METHOD CONFIG_JSON     -> one JSON line
 

@@ -2,6 +2,11 @@
 
 Every collective HiLoRe issues during training is here or in the engine that owns the group:
 the planner, the runtime and the session only call these methods.
+
+HiLoRe's reductions are a few host values (byte counts, log-sensitivities, the audit's sums). They
+run on a gloo group of their own over the data-parallel ranks (`host_group`), not on verl's group:
+that one may have no CPU backend (NCCL alone, as a device mesh's groups are), and a CPU tensor on it
+fails.
 """
 
 from __future__ import annotations
@@ -13,26 +18,70 @@ import torch
 import torch.distributed as dist
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_HOST_GROUPS: dict = {}  # (group, default group) -> its gloo twin; the default group keys a re-initialised world
+
+
+def _gloo_group_over(group, **kwargs):
+    """A new gloo group over `group`'s ranks. Collective over the default group: torch needs every rank
+    to create every group, in the same order, so where `group` is one of several (disjoint
+    data-parallel groups) the ranks first agree on the list of all of them."""
+    world = dist.get_world_size()
+    ranks = sorted(dist.get_process_group_ranks(group))
+    if len(ranks) == world:
+        return dist.new_group(backend="gloo", **kwargs)
+    every: list = [None] * world
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for members in sorted({tuple(r) for r in every}):
+        created = dist.new_group(ranks=list(members), backend="gloo", **kwargs)
+        if dist.get_rank() in members:
+            mine = created
+    return mine
+
+
+def host_group(group=None):
+    """The gloo group over `group`'s ranks (None: the default group) on which HiLoRe reduces host
+    tensors; created at the first call for that group. Every rank of the default group calls it at
+    the same point (in the engine: at initialisation, when the session's collectives are built)."""
+    group = dist.group.WORLD if group is None else group
+    key = (group, dist.group.WORLD)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = _gloo_group_over(group)
+    return _HOST_GROUPS[key]
+
+
+def all_reduce_on_host(t: torch.Tensor, op: str = "sum", group=None) -> None:
+    """All-reduce `t` in place over `group`'s ranks, through host memory: a tensor on a device (the
+    audit's sums on the GPU) is reduced as a host copy and copied back."""
+    on_host = t.device.type == "cpu" and t.is_contiguous()
+    host = t if on_host else t.detach().cpu().contiguous()  # a copy
+    dist.all_reduce(host, op=_OPS[op], group=host_group(group))
+    if not on_host:
+        t.copy_(host)
 
 
 class DataParallel:
-    """All-reduces over `group` (float64, so sums of byte counts and log-sensitivities stay exact
-    enough), and a separate gloo group on which failing ranks agree before a retry."""
+    """All-reduces over the ranks of `group` (float64, so sums of byte counts and log-sensitivities stay
+    exact enough) on its gloo twin, and a separate gloo group on which failing ranks agree before a
+    retry."""
 
     def __init__(self, group, fault_timeout_s: float):
         self.group = group
         self.world_size = dist.get_world_size(group)
-        # used only to agree on a fault; its timeout bounds the wait for peers that did not fail
-        self.fault_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=fault_timeout_s))
+        self.host_group = host_group(group)
+        # used only to agree on a fault; its timeout bounds the wait for peers that did not fail.
+        # Not the host group: a failing rank's flag must never pair with a peer's reduction.
+        self.fault_group = _gloo_group_over(dist.group.WORLD if group is None else group,
+                                            timeout=datetime.timedelta(seconds=fault_timeout_s))
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
         if t.numel():
-            dist.all_reduce(t, op=_OPS[op], group=self.group)
+            dist.all_reduce(t, op=_OPS[op], group=self.host_group)
         return t.tolist()
 
     def sum_(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=self.group)
+        all_reduce_on_host(t, "sum", self.group)
 
     def every_rank_failed(self) -> bool:
         """Called by a rank that failed: True when every rank failed at the same point (each is here too).
@@ -56,4 +105,4 @@ def collectives_for(group, fault_timeout_s: float):
     return DataParallel(group, fault_timeout_s)
 
 
-__all__ = ["DataParallel", "collectives_for"]
+__all__ = ["DataParallel", "all_reduce_on_host", "collectives_for", "host_group"]

@@ -1,9 +1,11 @@
 """A CPU platform for verl, which ships only accelerator platforms and otherwise falls back to CUDA.
 
 Registered through verl's `PlatformRegistry` by the plugin. verl's auto-detection picks it only
-when every other registered platform says no (so on a GPU or NPU host it is never chosen);
-`VERL_PLATFORM=cpu` selects it explicitly. Memory counters read 0: the CPU has no caching
-allocator, so peak memory on CPU is measured as process RSS elsewhere.
+when every other registered platform says no and nothing else shows an accelerator: torch sees none
+and the host has no GPU driver's device nodes (verl's CUDA check answers no on a GPU host without
+`nvidia-smi`, so its word alone is not enough). `VERL_PLATFORM=cpu` selects it explicitly. Memory
+counters read 0: the CPU has no caching allocator, so peak memory on CPU is measured as process RSS
+elsewhere.
 """
 
 from __future__ import annotations
@@ -126,6 +128,26 @@ class CpuDeviceModule:
 CPU_DEVICE_MODULE = CpuDeviceModule()
 
 
+# Device nodes a GPU driver creates on its host, visible even to a process that is shown no device (a
+# CPU-only Ray actor, CUDA_VISIBLE_DEVICES=""): NVIDIA, AMD ROCm, Huawei Ascend.
+DRIVER_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/kfd", "/dev/davinci_manager")
+
+
+def accelerator_evidence() -> Optional[str]:
+    """What shows an accelerator in this process or on this host, or None. verl's own checks are not
+    enough: its CUDA platform with `use_smi_check` answers no wherever `nvidia-smi` is missing (a
+    container with the GPUs but not the tool), even while torch sees the GPUs."""
+    if torch.cuda.is_available():  # also ROCm, whose torch.cuda is HIP
+        return f"torch.cuda sees {torch.cuda.device_count()} device(s)"
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None:
+        return f"torch sees a {accelerator.type} accelerator"
+    for node in DRIVER_NODES:
+        if os.path.exists(node):
+            return f"{node} exists (a GPU driver is installed)"
+    return None
+
+
 class PlatformCPU(PlatformBase):
     """verl platform for hosts without an accelerator: device "cpu", collectives over gloo."""
 
@@ -145,7 +167,12 @@ class PlatformCPU(PlatformBase):
         return True
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        """True only when no other registered platform is available: a fallback, never a rival."""
+        """True only when no other registered platform is available and `accelerator_evidence()` finds
+        nothing: a fallback, never a rival. `VERL_PLATFORM=cpu` asks for it whatever the host has."""
+        if os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME:
+            return True
+        if accelerator_evidence() is not None:
+            return False
         for name in PlatformRegistry.registered_names():
             cls = PlatformRegistry.get(name)
             if cls is None or issubclass(cls, PlatformCPU):
@@ -229,3 +256,7 @@ def register_cpu_platform() -> None:
     """Add the CPU platform to verl's registry (idempotent). verl's auto-detection does the rest."""
     if PlatformRegistry.get(PLATFORM_NAME) is not PlatformCPU:
         PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
+
+
+if globals().pop("REGISTER_ON_IMPORT", False):  # this module imported verl first (registration.register_all)
+    register_cpu_platform()

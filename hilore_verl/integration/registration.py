@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 from hilore_verl.integration import config_check, cpu_support
-from hilore_verl.integration.cpu_platform import register_cpu_platform
+
+CPU_PLATFORM_MODULE = "hilore_verl.integration.cpu_platform"
 
 
 def register_all() -> list[str]:
     """Register hilore-verl's extensions with verl; returns what was registered, for `doctor`."""
-    register_cpu_platform()
+    module = sys.modules.get(CPU_PLATFORM_MODULE)
+    if module is not None and not hasattr(module, "register_cpu_platform"):
+        # The module's own verl import (its first lines) is what loads the plugin: the platform is not
+        # defined yet. The module registers it as its import ends, before anything asks verl for one.
+        module.REGISTER_ON_IMPORT = True
+    else:
+        from hilore_verl.integration.cpu_platform import register_cpu_platform
+
+        register_cpu_platform()
     return ["platform:cpu", *cpu_support.install(), *config_check.install()]
