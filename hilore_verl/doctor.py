@@ -50,6 +50,25 @@ def check_device() -> Check:
     return Check(True, f"no GPU found; CPU only ({os.cpu_count()} cores, {platform.machine()})")
 
 
+def check_triton() -> Check:
+    import torch
+
+    if not torch.cuda.is_available():
+        return Check(True, "not applicable: no CUDA device (CPU tensors use the CPU codec)")
+    from hilore_verl.kernels import triton_check
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ok, reason = triton_check.triton_status(device)
+    if ok:
+        ok, reason = triton_check.bitwise_check(device)
+    if not ok:
+        fixes = [fix for _, fix in triton_check.missing_pieces()]
+        return Check(False, f"{reason} (compressed tensors would use the torch reference codec: correct, slower)",
+                     "; ".join(fixes) or "see the detail; run tests/test_triton_codecs_on_cpu.py for more")
+    return Check(True, f"quantize / dequantize launched on {device}: bit for bit the torch reference (int8, fp8, "
+                       "int4; nearest and stochastic rounding; bf16 and fp32)")
+
+
 def check_plugin() -> Check:
     entry = [ep for ep in metadata.entry_points(group="verl.plugins") if ep.value.startswith("hilore_verl")]
     if not entry:
@@ -101,6 +120,7 @@ CHECKS: tuple[tuple[str, Callable[[], Check], tuple[str, ...]], ...] = (
     # (name, check, checks that must have passed for it to run)
     ("versions", check_versions, ()),
     ("device", check_device, ()),
+    ("Triton kernels", check_triton, ()),
     ("verl plugin", check_plugin, ("versions",)),
     ("verl platform", check_platform, ("verl plugin",)),
     ("FSDP2 engine", check_engine, ("verl plugin",)),

@@ -1,11 +1,16 @@
-"""`hilore-verl doctor` tells the truth here: no GPU, the CPU platform, a working FSDP2 engine."""
+"""`hilore-verl doctor` tells the truth here: no GPU (or the GPUs and their Triton kernels), the
+platform, a working FSDP2 engine."""
 
 import io
 import shutil
 import subprocess
 import sys
 
+import torch
+
 import hilore_verl.doctor as doctor
+
+GPU = torch.cuda.is_available()
 
 
 def test_doctor_command_on_this_machine():
@@ -15,10 +20,17 @@ def test_doctor_command_on_this_machine():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "[ok] versions: python" in out and "verl 0.9" in out
-    assert "[ok] device: no GPU found; CPU only" in out
     assert "[ok] verl plugin: loaded by `import verl`; registered platform:cpu" in out
-    assert "[ok] verl platform: cpu (hilore-verl's CPU platform" in out
-    assert "[ok] FSDP2 engine: FSDPQwen2ForCausalLM on cpu: one train step, grad norm" in out
+    if GPU:
+        assert f"[ok] device: {torch.cuda.device_count()} CUDA device(s): " in out
+        assert "[ok] Triton kernels: quantize / dequantize launched on cuda:" in out
+        assert "[ok] verl platform: " in out and "[ok] verl platform: cpu" not in out
+        assert "[ok] FSDP2 engine: FSDPQwen2ForCausalLM on cuda: one train step, grad norm" in out
+    else:
+        assert "[ok] device: no GPU found; CPU only" in out
+        assert "[ok] Triton kernels: not applicable: no CUDA device" in out
+        assert "[ok] verl platform: cpu (hilore-verl's CPU platform" in out
+        assert "[ok] FSDP2 engine: FSDPQwen2ForCausalLM on cpu: one train step, grad norm" in out
     assert out.rstrip().endswith("verdict: usable here.")
 
 
@@ -40,3 +52,31 @@ def test_doctor_reports_plugins_switched_off(monkeypatch):
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
     check = doctor.check_plugin()
     assert not check.ok and "unset VERL_USE_EXTERNAL_PLUGINS" in check.fix
+
+
+def test_doctor_checks_the_triton_kernels_only_where_there_is_a_cuda_device(monkeypatch):
+    import torch
+
+    from hilore_verl.kernels import triton_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert doctor.check_triton() == doctor.Check(True, "not applicable: no CUDA device (CPU tensors use the CPU codec)")
+    # a CUDA host, simulated: the launch check and the bitwise comparison decide
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_check, "triton_status", lambda device: (True, ""))
+    monkeypatch.setattr(triton_check, "bitwise_check", lambda device: (True, ""))
+    check = doctor.check_triton()
+    assert check.ok and check.detail.startswith("quantize / dequantize launched on cuda:0: bit for bit the torch ref")
+    monkeypatch.setattr(triton_check, "bitwise_check", lambda device: (False, "the Triton kernels' codes differ"))
+    monkeypatch.setattr(triton_check, "missing_pieces", lambda: [])
+    check = doctor.check_triton()
+    assert not check.ok and check.detail.startswith("the Triton kernels' codes differ") and "run tests/" in check.fix
+    reason = "Triton cannot launch its kernels on cuda:0 (RuntimeError: no C compiler); missing: a C compiler"
+    monkeypatch.setattr(triton_check, "triton_status", lambda device: (False, reason))
+    monkeypatch.setattr(triton_check, "missing_pieces", lambda: [("a C compiler", "install gcc or clang, or set CC"),
+                                                                 ("Python.h", "install python3-dev")])
+    check = doctor.check_triton()
+    assert not check.ok and check.detail.startswith(reason) and "use the torch reference codec" in check.detail
+    assert check.fix == "install gcc or clang, or set CC; install python3-dev"
+

@@ -1,7 +1,9 @@
 """Triton kernels for the group-wise codecs; bit-for-bit the torch reference (`kernels.reference`).
 
 One program handles BLOCK_R rows x one group (a tile of BLOCK_R x group_size), so a grid is
-(cdiv(R, BLOCK_R), D / group_size); rows past R are masked. Everything is fp32 inside. Written to
+(cdiv(R, BLOCK_R), D / group_size), cut into several launches (each given its first row and group)
+where that passes CUDA's grid limits; rows past R are masked, offsets are 64-bit. Everything is
+fp32 inside. Written to
 run unchanged in Triton's interpreter on CPU tensors (how the tests check them): bf16 moves in
 and out as raw int16 bits with rounding done here, divisions are `div_rn`, and no libdevice call
 is used. One config; tune BLOCK_R on a GPU with `benchmarks/codec_bandwidth.py`.
@@ -18,6 +20,18 @@ from hilore_verl.kernels.reference import QuantizedTensor, check_args, seed_mix
 
 FMT_CODE = {name: spec.kernel_id for name, spec in SPECS.items()}
 BLOCK_R = 32
+# CUDA's grid limits (x: 2**31 - 1 blocks, y: 65535): a tensor past them takes several launches.
+MAX_GRID = (2**31 - 1, 65535)
+# Integer arguments compiled as runtime values: Triton otherwise compiles an int equal to 1 as a
+# constant (`smix.to(...)` then fails to compile) and recompiles on alignment. D stays specialised
+# (always a multiple of 32: one variant, known 16-aligned).
+RUNTIME_INTS = ("R", "R0", "G0", "smix")
+
+
+class LaunchError(RuntimeError):
+    """A kernel could not be compiled or launched (e.g. Triton's launcher could not be built: no C
+    compiler, no Python.h, no libcuda). The call's outputs are dropped; `triton_check` runs the
+    reference instead."""
 
 
 def _kind(dtype: torch.dtype) -> int:
@@ -35,9 +49,10 @@ def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
 
 @triton.jit
 def _store_from_f32(ptr, offs, x, mask, KIND: tl.constexpr):
-    if KIND == 2:  # round half-even to bf16, store the bits
+    if KIND == 2:  # round half-even to bf16, store the bits; any NaN -> 0x7FC0, as torch's scalar cast
         bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # a NaN's payload would carry into the sign or exponent
+        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
         tl.store(ptr + offs, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     elif KIND == 1:
         tl.store(ptr + offs, x.to(tl.float16), mask=mask)
@@ -128,13 +143,13 @@ def _pair_absmax(xe, xo):
     return finite, absmax
 
 
-@triton.jit
-def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, smix, GS: tl.constexpr, BLOCK_R: tl.constexpr,
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, R0, G0, smix, GS: tl.constexpr, BLOCK_R: tl.constexpr,
                      FMT: tl.constexpr, KIND: tl.constexpr, STOCHASTIC: tl.constexpr, QMAX: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    gi = tl.program_id(1)
+    rows = R0 + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    gi = G0 + tl.program_id(1).to(tl.int64)
     rmask = rows < R
-    row_base = rows.to(tl.int64) * D
+    row_base = rows * D
     if FMT == 2:  # int4: even and odd columns separately, to pack pairs
         HALF: tl.constexpr = GS // 2
         cols = gi * GS + 2 * tl.arange(0, HALF)
@@ -150,7 +165,7 @@ def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, smix, GS: tl.constexpr, BLOC
         qe = tl.minimum(tl.maximum(_round(ye, offs, smix, STOCHASTIC), -QMAX), QMAX)
         qo = tl.minimum(tl.maximum(_round(yo, offs + 1, smix, STOCHASTIC), -QMAX), QMAX)
         byte = (qe + 8.0).to(tl.int32) | ((qo + 8.0).to(tl.int32) << 4)
-        code_offs = rows.to(tl.int64)[:, None] * (D // 2) + (gi * HALF + tl.arange(0, HALF))[None, :]
+        code_offs = rows[:, None] * (D // 2) + (gi * HALF + tl.arange(0, HALF))[None, :]
         tl.store(CODES + code_offs, byte.to(tl.uint8), mask=m2)
     else:
         cols = gi * GS + tl.arange(0, GS)
@@ -165,23 +180,23 @@ def _quantize_kernel(X, CODES, SCALES, FLAGS, R, D, smix, GS: tl.constexpr, BLOC
             q = tl.minimum(tl.maximum(_round(y, offs, smix, STOCHASTIC), -QMAX), QMAX)
             tl.store(CODES + offs, q.to(tl.int8), mask=m2)
     G = D // GS
-    s_offs = rows.to(tl.int64) * G + gi
+    s_offs = rows * G + gi
     tl.store(SCALES + s_offs, tl.where(finite, scale, float("nan")), mask=rmask)
     tl.store(FLAGS + s_offs, tl.where(finite, 0, 1).to(tl.uint8), mask=rmask)
 
 
-@triton.jit
-def _dequantize_kernel(CODES, SCALES, OUT, R, D, GS: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-                       KIND: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    gi = tl.program_id(1)
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def _dequantize_kernel(CODES, SCALES, OUT, R, D, R0, G0, GS: tl.constexpr, BLOCK_R: tl.constexpr,
+                       FMT: tl.constexpr, KIND: tl.constexpr):
+    rows = R0 + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    gi = G0 + tl.program_id(1).to(tl.int64)
     rmask = rows < R
     m2 = rmask[:, None]
-    scale = tl.load(SCALES + rows.to(tl.int64) * (D // GS) + gi, mask=rmask, other=0.0)
-    row_base = rows.to(tl.int64) * D
+    scale = tl.load(SCALES + rows * (D // GS) + gi, mask=rmask, other=0.0)
+    row_base = rows * D
     if FMT == 2:
         HALF: tl.constexpr = GS // 2
-        code_offs = rows.to(tl.int64)[:, None] * (D // 2) + (gi * HALF + tl.arange(0, HALF))[None, :]
+        code_offs = rows[:, None] * (D // 2) + (gi * HALF + tl.arange(0, HALF))[None, :]
         byte = tl.load(CODES + code_offs, mask=m2, other=0).to(tl.int32) & 0xFF
         lo = _saturate(((byte & 0x0F) - 8).to(tl.float32) * scale[:, None])
         hi = _saturate(((byte >> 4) - 8).to(tl.float32) * scale[:, None])
@@ -202,6 +217,24 @@ def _as_kernel_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 
+def launches(R: int, G: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(first row, first group, grid) per launch: the (row block, group) tiles of an R x G-group
+    tensor, cut to MAX_GRID (one launch unless a dim is past CUDA's grid limit)."""
+    blocks = triton.cdiv(R, BLOCK_R)
+    return [(b0 * BLOCK_R, g0, (min(MAX_GRID[0], blocks - b0), min(MAX_GRID[1], G - g0)))
+            for b0 in range(0, blocks, MAX_GRID[0]) for g0 in range(0, G, MAX_GRID[1])]
+
+
+def _launch(kernel, R: int, G: int, *args, **meta) -> None:
+    try:
+        for r0, g0, grid in launches(R, G):
+            kernel[grid](*args, R0=r0, G0=g0, **meta)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # compiling, building Triton's launcher, loading the module
+        raise LaunchError(f"{type(e).__name__}: {e}") from e
+
+
 def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochastic: bool = False,
              seed: int = 0) -> QuantizedTensor:
     check_args(x, fmt, group_size)
@@ -211,10 +244,9 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
     codes = torch.empty(SPECS[fmt].codes_shape(R, D), device=x.device, dtype=SPECS[fmt].code_dtype)
     scales = torch.empty((R, G), device=x.device, dtype=torch.float32)
     flags = torch.empty((R, G), device=x.device, dtype=torch.uint8)
-    grid = (triton.cdiv(R, BLOCK_R), G)
-    _quantize_kernel[grid](_as_kernel_view(x2), codes, scales, flags, R, D, seed_mix(seed), GS=group_size,
-                           BLOCK_R=BLOCK_R, FMT=FMT_CODE[fmt], KIND=_kind(x.dtype), STOCHASTIC=stochastic,
-                           QMAX=QMAX[fmt])
+    _launch(_quantize_kernel, R, G, _as_kernel_view(x2), codes, scales, flags, R, D, smix=seed_mix(seed),
+            GS=group_size, BLOCK_R=BLOCK_R, FMT=FMT_CODE[fmt], KIND=_kind(x.dtype), STOCHASTIC=stochastic,
+            QMAX=QMAX[fmt])
     return QuantizedTensor(codes, scales, flags, x.shape, x.dtype, fmt, group_size)
 
 
@@ -222,7 +254,6 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     R, G = q.scales.shape
     D = G * q.group_size
     out = torch.empty((R, D), device=q.codes.device, dtype=q.dtype)
-    grid = (triton.cdiv(R, BLOCK_R), G)
-    _dequantize_kernel[grid](q.codes, q.scales, _as_kernel_view(out), R, D, GS=q.group_size, BLOCK_R=BLOCK_R,
-                             FMT=FMT_CODE[q.fmt], KIND=_kind(q.dtype))
+    _launch(_dequantize_kernel, R, G, q.codes, q.scales, _as_kernel_view(out), R, D, GS=q.group_size,
+            BLOCK_R=BLOCK_R, FMT=FMT_CODE[q.fmt], KIND=_kind(q.dtype))
     return out.view(q.shape)
