@@ -7,18 +7,16 @@ not passed as a check.
 
 from __future__ import annotations
 
-import ctypes.util
 import os
 import platform
-import shutil
 import statistics
-import sysconfig
 import time
 from importlib import metadata
 
 import torch
 
 from hilore_verl.gpucheck.stage import Context, StageReport
+from hilore_verl.kernels import reference, triton_check, triton_codec
 
 PACKAGES = ("torch", "triton", "transformers", "numpy", "verl", "ray")
 MIB = 2**20
@@ -35,40 +33,6 @@ def _device(ctx: Context) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's raw bits as integers, so that NaN payloads compare too."""
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-    return t.view(view[t.dtype]) if t.dtype in view else t
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, except that any NaN equals any NaN (sign and payload of a NaN carry nothing)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    same = _bits(a) == _bits(b)
-    if a.is_floating_point():
-        same |= torch.isnan(a) & torch.isnan(b)
-    return bool(same.all())
-
-
-def launch_problems() -> list[str]:
-    """What Triton's launcher needs on a CUDA machine that is missing here (empty: nothing found missing)."""
-    problems = []
-    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)]
-    if not compilers:
-        problems.append("no C compiler (cc, gcc, clang or $CC) for Triton's launcher")
-    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
-        problems.append(f"no Python.h in {sysconfig.get_paths()['include']} (install the Python headers)")
-    if ctypes.util.find_library("cuda") is None and not os.path.exists("/usr/lib/x86_64-linux-gnu/libcuda.so.1"):
-        try:
-            from triton.backends.nvidia.driver import libcuda_dirs
-
-            libcuda_dirs()
-        except Exception:
-            problems.append("no libcuda (the NVIDIA driver's library) found")
-    return problems
-
-
 # ---------------------------------------------------------------------------------------------- environment
 def environment(report: StageReport, ctx: Context) -> None:
     report.figure("versions", {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES},
@@ -81,26 +45,24 @@ def environment(report: StageReport, ctx: Context) -> None:
         report.figure("device", {"name": props.name, "capability": f"{props.major}.{props.minor}",
                                  "memory_gib": round(props.total_memory / 2**30, 1),
                                  "multiprocessors": props.multi_processor_count})
-        problems = launch_problems()
-        report.check("Triton launcher prerequisites", not problems, "; ".join(problems) or
+    missing = [f"{what} ({fix})" for what, fix in triton_check.missing_pieces()]
+    if ctx.device == "cuda":
+        report.check("Triton launcher prerequisites", not missing, "; ".join(missing) or
                      "C compiler, Python.h and libcuda present")
     else:
         report.figure("device", {"name": f"CPU ({os.cpu_count()} cores, {platform.machine()})"})
-        report.figure("launcher_prerequisites_missing", launch_problems())  # informational on the CPU
-    from hilore_verl.kernels import reference, triton_codec
-
+        report.figure("launcher_prerequisites_missing", missing)  # informational on the CPU
     x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
     start = time.perf_counter()
     try:
         q = triton_codec.quantize(x, "int8", 64)
         y = triton_codec.dequantize(q)
     except Exception as err:
-        report.check("one Triton launch (quantize + dequantize)", False, f"{type(err).__name__}: {err}"[:300])
+        report.check("one Triton launch (quantize + dequantize)", False, triton_check.failure_reason(device, err))
         return
-    ref = reference.quantize(x, "int8", 64)
-    same = torch.equal(q.codes, ref.codes) and _same_bits(y, reference.dequantize(ref))
+    same, why = triton_check.compare(reference.quantize(x.cpu(), "int8", 64), q, y, "int8 bf16 64 x 256")
     report.check("one Triton launch (quantize + dequantize)", same,
-                 f"bitwise the reference: {same}; first launch {time.perf_counter() - start:.2f} s (compilation)")
+                 why or f"bitwise the reference; first launch {time.perf_counter() - start:.2f} s (compilation)")
 
 
 def _hilore_version() -> str:
@@ -129,7 +91,9 @@ def _codec_cases(tiny: bool):
 
 
 def codecs(report: StageReport, ctx: Context) -> None:
-    from hilore_verl.kernels import DTYPES, FORMATS, reference, triton_codec
+    """Triton against the reference computed on the CPU (the definition: torch on CUDA divides by a
+    Python number as a product with its reciprocal, so its own results there may differ in the last bit)."""
+    from hilore_verl.kernels import DTYPES, FORMATS
 
     device = _device(ctx)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -149,10 +113,8 @@ def codecs(report: StageReport, ctx: Context) -> None:
                     label = f"{fmt} {str(dtype)[6:]} {tuple(shape)} g{group}" + (f" sr seed {seed}" if stochastic else "")
                     try:
                         q = triton_codec.quantize(x, fmt, group, stochastic, seed)
-                        r = reference.quantize(x, fmt, group, stochastic, seed)
-                        ok = (torch.equal(q.codes, r.codes) and _same_bits(q.scales, r.scales)
-                              and torch.equal(q.flags, r.flags)
-                              and _same_bits(triton_codec.dequantize(r), reference.dequantize(r)))
+                        r = reference.quantize(base, fmt, group, stochastic, seed)
+                        ok, _ = triton_check.compare(r, q, triton_codec.dequantize(r.to(device)), label)
                     except Exception as err:
                         ok, label = False, f"{label}: {type(err).__name__}: {str(err)[:120]}"
                     if not ok:
