@@ -1,5 +1,10 @@
 import os
 
+# The suite's verl tests (`*_on_cpu.py`) train on CPU ranks over gloo: on a GPU host too they run on
+# the plugin's CPU platform, which spawned ranks, subprocesses and Ray workers inherit. Tests of the
+# platform choice itself set or clear VERL_PLATFORM on their own.
+os.environ.setdefault("VERL_PLATFORM", "cpu")
+
 # One OpenMP thread per process: the 2-rank tests run two processes on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
