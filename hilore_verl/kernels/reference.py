@@ -17,7 +17,8 @@ to the distance, using u = hash(seed, element index) in [0, 1): floor(y + u) for
 formats, floor(fraction + u) on the fp8 mantissa grid. Unbiased, and reproducible from the seed.
 
 A group holding inf or nan is flagged (`flags` = 1), gets codes 0 and a nan scale, so it decodes
-to nan rather than to wrong finite values; `QuantizedTensor.has_nonfinite` reports it.
+to nan rather than to wrong finite values; `QuantizedTensor.has_nonfinite` reports it (on the host),
+`any_nonfinite()` as a device tensor.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ class QuantizedTensor:
 
     @property
     def has_nonfinite(self) -> bool:
+        """Reads the flags on the host: on a GPU this waits for the device (see `any_nonfinite`)."""
         return bool(self.flags.any())
+
+    def any_nonfinite(self) -> torch.Tensor:
+        """Whether a group held inf / nan, as a 0-d bool tensor on the payload's device (no host read)."""
+        return self.flags.any()
 
     def to(self, device, non_blocking: bool = False, copy: bool = False) -> "QuantizedTensor":
         move = lambda t: t.to(device, non_blocking=non_blocking, copy=copy)  # noqa: E731

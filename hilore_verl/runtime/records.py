@@ -3,7 +3,8 @@
 A saved tensor is held as one of:
   - `Kept`: a detached alias of the tensor (KEEP, and everything the runtime does not manage);
   - `Checked(Compressed)`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it
-    waits in host memory);
+    waits in host memory; `Unchecked` around either while its inf / nan check is on its way to the
+    host);
   - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
     tensor appears in that call (a locator); unpack re-runs the call's `Region` once (a decoder
     block, or the call itself) and hands out the result.
@@ -155,6 +156,72 @@ class Checked:
         return t
 
 
+class FiniteCheck:
+    """Whether a payload's groups held inf / nan, on its way to the host: a host scalar filled by a
+    non-blocking copy, and the event recorded after it. Reading it never waits for the device unless
+    asked to (`settle(wait=True)`). Once settled it corrects the accounting (`charges`: where the
+    payload's bytes were counted) and tells its holder, if still alive, which of the two to keep."""
+
+    __slots__ = ("flag", "done", "delta", "charges", "holder", "flagged")
+
+    def __init__(self, flag: torch.Tensor, done, delta: int, holder: "Unchecked"):
+        self.flag, self.done = flag, done
+        self.delta = delta  # bytes the exact tensor takes beyond its payload
+        self.charges: list = []  # (StepStats, charge)
+        self.holder = weakref.ref(holder)
+        self.flagged: bool | None = None
+
+    def settle(self, wait: bool) -> bool:
+        """True once settled; False (without waiting) while the copy has not completed and not `wait`."""
+        if self.flagged is not None:
+            return True
+        if not self.done.query():
+            if not wait:
+                return False
+            self.done.synchronize()
+        self.flagged = bool(self.flag)  # host memory, written by the completed copy
+        self.flag = self.done = None
+        if self.flagged:
+            for stats, charge in self.charges:
+                stats.flagged(charge, self.delta)
+        self.charges = []
+        holder = self.holder()
+        if holder is not None and self.flagged:
+            holder.payload = None
+        elif holder is not None:
+            holder.tensor = None
+        return True
+
+
+class Unchecked:
+    """A compressed tensor whose inf / nan check has not reached the host yet (an asynchronous device,
+    where reading the flags at pack time would wait for it): the tensor and its payload are both held
+    until the check settles, then a flagged tensor stays exact (the payload is dropped), any other
+    keeps only its payload. Unpack settles the check, waiting if it must (in backward the forward's
+    work is done)."""
+
+    __slots__ = ("tensor", "payload", "check", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, payload: Any, flag: torch.Tensor, done):
+        self.tensor: torch.Tensor | None = t.detach()
+        self.payload = payload  # Compressed or Offloaded
+        self.check = FiniteCheck(flag, done, t.numel() * t.element_size() - payload.nbytes, self)
+
+    def charge(self, stats: Any, charge: Any) -> None:
+        """Where the payload's bytes were counted: corrected there if the check finds inf / nan."""
+        if self.check.flagged is None:
+            self.check.charges.append((stats, charge))
+
+    @property
+    def nbytes(self) -> int:
+        t = self.tensor
+        return t.numel() * t.element_size() if self.payload is None else self.payload.nbytes
+
+    def get(self) -> torch.Tensor:
+        self.check.settle(wait=True)
+        return self.tensor if self.payload is None else self.payload.get()
+
+
 class LiveKeyMap:
     """storage key -> value, valid only while the tensor it was stored for is alive.
 
@@ -243,7 +310,7 @@ class CallRecord:
     """One forward call of a unit's module inside a region: where to find its tensors again."""
 
     __slots__ = ("module", "unit", "region", "order", "child_count", "own_count", "regen", "pending", "handles",
-                 "__weakref__")
+                 "rows", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, unit: Any):
         self.module = module
@@ -255,6 +322,7 @@ class CallRecord:
         self.regen: dict | None = None  # locator -> regenerated tensor, while handles are pending
         self.handles: dict = {}  # locator -> handles dropped for it in forward
         self.pending: dict = {}  # locator -> handles not yet unpacked in this backward
+        self.rows: Any = None  # row shapes of what the call's code saved so far (saving.RowShapes)
 
     def drop(self, locator: tuple, geometry: Geometry | None, watch: "VersionWatch") -> "Dropped":
         self.handles[locator] = self.handles.get(locator, 0) + 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -103,6 +104,7 @@ class Runtime(SavedTensorHooks):
         self._replay: Replay | None = None
         self._rehooked = False  # unit hooks re-installed for a recompute after detach
         self._pools: dict[torch.device, OffloadPool] = {}
+        self._checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (records.FiniteCheck)
         self._forwards = 0  # grad-enabled forwards so far: part of each stochastic-rounding seed
         self._compressions = 0
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
@@ -154,8 +156,9 @@ class Runtime(SavedTensorHooks):
         self._forwards = int(value)
 
     def stats(self) -> RuntimeStats:
-        """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored."""
-        return self._last
+        """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored
+        (pending inf / nan checks settled first), and the offload pools' host bytes."""
+        return self._settled_stats()
 
     def reset(self) -> None:
         """Abandon a forward that did not finish (an exception mid-forward): the next forward starts

@@ -3,9 +3,15 @@
 Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
 are, except that a cast of a weight made inside a recomputed call (autocast's bf16 copy) is made
 again by the re-run instead of held. Everything else is handled by its producer unit's mode
-(`Runtime._lookup` finds the producer): KEEP holds the tensor, COMPRESS a quantized payload (non-finite tensors stay exact and
-are counted), RECOMPUTE a `Dropped` handle on the producing call. Unpack: each holder checks the
-tensor was not changed in place since it was saved, then hands it out (decoded or regenerated).
+(`Runtime._lookup` finds the producer): KEEP holds the tensor, COMPRESS a quantized payload (per-row
+statistics and non-finite tensors stay exact and are counted), RECOMPUTE a `Dropped` handle on the
+producing call. Unpack: each holder checks the tensor was not changed in place since it was saved,
+then hands it out (decoded or regenerated).
+
+On an asynchronous device (CUDA) the inf / nan check of a payload is not read at pack time, which
+would wait for the device once per tensor: its result is copied to the host without blocking and
+the tensor is held as `Unchecked` (tensor and payload) until the copy lands; pending checks are
+polled at each later compressed save, and settled, waiting, by unpack and by `Runtime.stats()`.
 """
 
 from __future__ import annotations
@@ -16,9 +22,54 @@ import torch.nn as nn
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import Checked, Compressed, Kept, VersionWatch, geometry_of, storage_key
+from hilore_verl.runtime.records import Checked, Compressed, Kept, Unchecked, VersionWatch, geometry_of, storage_key
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PAD = 128  # a statistic's token dim may be padded by less than this (SDPA's efficient kernel: to 32)
+
+
+def defers_checks(device: torch.device) -> bool:
+    """Whether payloads on `device` have their inf / nan check deferred (reading it would wait for
+    the device); on the CPU it is read at once."""
+    return device.type not in ("cpu", "meta")
+
+
+class RowShapes:
+    """The row shapes of the float tensors one call's code has saved so far: for a saved (..., D)
+    tensor, its leading dims (without size-1 dims, in any order) and, for 3+ dims, its dims before
+    the last two with the one before last (a token dim a statistic may pad)."""
+
+    __slots__ = ("rows", "leads")
+
+    def __init__(self):
+        self.rows: set[tuple] = set()
+        self.leads: dict[tuple, set[int]] = {}
+
+    def note(self, shape: torch.Size) -> None:
+        if len(shape) >= 2 and shape[-1] > 1:
+            self.rows.add(tuple(sorted(d for d in shape[:-1] if d != 1)))
+            if len(shape) >= 3:
+                self.leads.setdefault(tuple(shape[:-2]), set()).add(shape[-2])
+
+    def has_row_of(self, shape: torch.Size) -> bool:
+        """Whether `shape` holds one value per row of a tensor noted before."""
+        if tuple(sorted(d for d in shape if d != 1)) in self.rows:
+            return True
+        tokens = self.leads.get(tuple(shape[:-1])) if len(shape) >= 2 else None
+        return tokens is not None and any(t <= shape[-1] < t + PAD for t in tokens)
+
+
+def is_row_statistic(shape: torch.Size, rows: RowShapes | None) -> bool:
+    """A per-row statistic, kept exact under compression: a tensor whose last dim is 1 (a norm's
+    reciprocal RMS or mean with keepdim, cuDNN attention's log-sum-exp), or one holding one value
+    per row of a tensor its call saved before (SDPA's and flash-attn's fp32 log-sum-exp (B, H, T),
+    padded (B, H, ceil32(T)), or (H, total) for a (total, H, D) query; a fused norm's (rows,) rstd).
+    A group of such values mixes unrelated rows: one outlier (a padding token's 1 / sqrt(eps)) would
+    spoil its whole group, and the softmax backward exponentiates the log-sum-exp's error. At most
+    1 / D of the tensor it describes, so the rule costs little memory where it errs."""
+    if len(shape) == 0:
+        return False
+    return shape[-1] == 1 or (rows is not None and rows.has_row_of(shape))
 
 
 def parameter_kind(t: torch.Tensor) -> str | None:
@@ -86,6 +137,10 @@ class SavedTensorHooks:
             unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
         else:
             unit = None
+        if frame is not None:
+            if frame.rows is None:
+                frame.rows = RowShapes()
+            frame.rows.note(t.shape)  # what tells a later save of a per-row statistic
         if unit is None and fwd.inputs_of is not None:
             # an input of a standalone call, made before it (in the closed forward): the call's unit owns
             # the save, kept exact in every mode (the call cannot make it again): counted as pinned, so the
@@ -121,19 +176,26 @@ class SavedTensorHooks:
             count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
             return kept
         if plan.mode == Mode.COMPRESS:
+            self._settle_checks(wait=False)
             held = fwd.compressed.get(key)
             if held is None:
-                payload = self._quantize(t, plan)
-                if payload is None or payload.has_nonfinite:  # kept exact, and counted
+                rows = fwd.frames[-1].rows if saved and fwd.frames else None
+                statistic = is_row_statistic(t.shape, rows)
+                payload = None if statistic else self._quantize(t, plan)
+                deferred = payload is not None and defers_checks(t.device)
+                if payload is None or (not deferred and payload.has_nonfinite):  # kept exact, and counted
                     kept = Kept(t)
-                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(),
-                          nonfinite=payload is not None, incompressible=payload is None)
+                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(), statistic=statistic,
+                          nonfinite=payload is not None, incompressible=payload is None and not statistic)
                     return kept
-                held = Checked(self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
-                               else Compressed(payload, t.shape), VersionWatch(t))
+                stored = (self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
+                          else Compressed(payload, t.shape))
+                held = Checked(self._unchecked(t, payload, stored) if deferred else stored, VersionWatch(t))
                 fwd.compressed.put(key, t, held)
             held.saves += int(saved)
-            count(unit, key, t, stored=held.nbytes)
+            charge = count(unit, key, t, stored=held.nbytes)
+            if charge is not None and isinstance(held.held, Unchecked):
+                held.held.charge(fwd.stats, charge)
             return held
         handle = record.drop(locator, geometry, VersionWatch(t))
         count(unit, key, t, stored=0)
@@ -152,6 +214,30 @@ class SavedTensorHooks:
         self._compressions += 1
         seed = hash((self.config.seed, self._forwards, self._compressions)) & 0x7FFFFFFF
         return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
+
+    def _unchecked(self, t: torch.Tensor, payload, stored) -> Unchecked:
+        """`t` and its payload `stored`, held until the payload's inf / nan check reaches the host."""
+        flag = torch.empty((), dtype=torch.bool, pin_memory=t.device.type == "cuda")
+        flag.copy_(payload.any_nonfinite(), non_blocking=True)
+        done = torch.get_device_module(t.device.type).Event()
+        done.record()
+        held = Unchecked(t, stored, flag, done)
+        self._checks.append(held.check)
+        return held
+
+    def _settle_checks(self, wait: bool) -> None:
+        """Settle pending checks in order, up to the first whose copy has not landed (all, if `wait`)."""
+        checks = self._checks
+        while checks and checks[0].settle(wait):
+            checks.popleft()
+
+    def _settled_stats(self):
+        """The last forward's stats with every pending check settled and the offload pools' bytes now."""
+        self._settle_checks(wait=True)
+        stats = self._last
+        stats.offload_pool_bytes = sum(pool.held_bytes for pool in self._pools.values())
+        stats.offload_pool_peak_bytes = sum(pool.peak_bytes for pool in self._pools.values())
+        return stats
 
     def _offload_pool(self, device: torch.device) -> OffloadPool:
         pool = self._pools.get(device)

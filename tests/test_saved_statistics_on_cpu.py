@@ -1,0 +1,114 @@
+"""Saved tensors a codec must not touch, or must take as they are laid out: per-row statistics
+(attention's log-sum-exp, a norm's reciprocal RMS) are kept exact under compression and counted;
+non-contiguous saved views are compressed from their values, or kept exact and counted."""
+
+import pytest
+import torch
+
+from hilore_verl import Plan, RuntimeConfig, attach
+from hilore_verl.kernels import dequantize, quantize
+from hilore_verl.runtime.records import Checked, Kept
+from hilore_verl.runtime.saving import RowShapes, SavedTensorHooks, is_row_statistic
+from hilore_verl.tiny_models import build_tiny_model
+
+
+def _capture(monkeypatch):
+    """(tensor, a copy of it at pack time, holder) for every tensor the runtime holds by a unit's plan."""
+    seen, real = [], SavedTensorHooks._store
+
+    def store(self, t, *args, **kwargs):
+        held = real(self, t, *args, **kwargs)
+        seen.append((t, t.detach().clone(), held))
+        return held
+
+    monkeypatch.setattr(SavedTensorHooks, "_store", store)
+    return seen
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False).logits
+    torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).mean().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_statistics_stay_exact_under_int4_and_are_counted(monkeypatch, dtype):
+    """No padding mask: CPU SDPA takes its flash path, which saves an fp32 log-sum-exp (B, H, T), T a
+    multiple of the group size; the norms save their reciprocal RMS (B, T, 1)."""
+    B, H, T = 4, 4, 128
+    model = build_tiny_model("qwen2", seed=0, dtype=dtype, hidden_size=256, num_attention_heads=H).train()
+    rt = attach(model, RuntimeConfig(min_bytes=1024))  # so that per-token statistics are managed
+    rt.set_plan(Plan(default="int4"))
+    seen = _capture(monkeypatch)
+    _step(model, torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(0)))
+    lse = [(t, copy, h) for t, copy, h in seen if tuple(t.shape) == (B, H, T)]
+    rstd = [(t, copy, h) for t, copy, h in seen if t.shape[-1] == 1]
+    assert len(lse) == 2 and all(t.dtype == torch.float32 for t, _, _ in lse)  # one per layer
+    assert len(rstd) >= 5  # two norms per layer and the final one
+    for t, copy, held in lse + rstd:
+        assert isinstance(held, Kept) and torch.equal(held.get(), copy), tuple(t.shape)
+    activations = [h for t, _, h in seen if t.shape[-1] in (64, 128, 256) and tuple(t.shape) != (B, H, T)]
+    assert activations and all(isinstance(h, Checked) for h in activations)  # still compressed
+    stats = rt.stats()
+    statistic_bytes = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t, _, _ in lse + rstd}
+    assert sum(u.statistic_bytes for u in stats.units.values()) == sum(statistic_bytes.values())
+    assert all(stats.units[f"layers.{i}.attn.core"].statistic_bytes == B * H * T * 4 for i in range(2))
+    assert stats.units["layers.0.attn.norm"].statistic_bytes > 0
+
+
+ROWS = [(8, 4, 96, 64)]  # a per-head query (B, H, T, D) saved before
+
+
+@pytest.mark.parametrize("shape, earlier, statistic", [
+    ((8, 4, 96), ROWS, True),                      # SDPA flash / flash-attn: (B, H, T)
+    ((8, 4, 128), ROWS, True),                     # SDPA's efficient kernel: T padded to a multiple of 32
+    ((4, 768), [(768, 4, 64)], True),              # flash-attn varlen: (H, total) for a (total, H, D) query
+    ((768,), [(768, 256)], True),                  # a fused norm's rstd, one per row
+    ((8, 96, 1), [], True),                        # a norm's rstd with keepdim
+    ((8, 4, 96, 96), ROWS, False),                 # attention probabilities
+    ((8, 4, 64, 96), ROWS, False),                 # a key, transposed
+    ((8, 96, 256), [(8, 96, 256)], False),         # hidden states
+    ((768, 4), [(768, 256)], False),               # router probabilities
+])
+def test_row_statistics_are_told_from_activations(shape, earlier, statistic):
+    rows = RowShapes()
+    for s in earlier:
+        rows.note(torch.Size(s))
+    assert is_row_statistic(torch.Size(shape), rows) == statistic
+
+
+class _SavesTransposed(torch.autograd.Function):
+    """SiLU that saves a transposed view of its input (a non-contiguous saved tensor)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.transpose(-1, -2))
+        return torch.nn.functional.silu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (xt,) = ctx.saved_tensors
+        x = xt.transpose(-1, -2)
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s))
+
+
+@pytest.mark.parametrize("tokens, compressed", [(192, True), (100, False)])
+def test_non_contiguous_saves_are_compressed_from_their_values_or_kept_exact(monkeypatch, tokens, compressed):
+    model = build_tiny_model("qwen2", seed=0, hidden_size=256, num_attention_heads=4).train()
+    for layer in model.model.layers:
+        layer.mlp.act_fn = type("Act", (torch.nn.Module,), {"forward": lambda self, x: _SavesTransposed.apply(x)})()
+    rt = attach(model)
+    rt.set_plan(Plan(default="int8"))
+    seen = _capture(monkeypatch)
+    _step(model, torch.randint(3, 512, (2, tokens), generator=torch.Generator().manual_seed(0)))
+    views = [(t, copy, h) for t, copy, h in seen if tuple(t.shape) == (2, 128, tokens)]
+    assert len(views) == 2 and all(not t.is_contiguous() for t, _, _ in views)
+    for t, copy, held in views:
+        if compressed:  # grouped along its last dim, from its values in their logical order
+            assert isinstance(held, Checked)
+            assert torch.equal(held.get(), dequantize(quantize(copy.contiguous(), "int8", 64)))
+        else:  # neither its last dim nor a flat grouping fits: kept exact, counted
+            assert isinstance(held, Kept) and torch.equal(held.get(), copy)
+    proj = [rt.stats().units[f"layers.{i}.mlp.proj"] for i in range(2)]
+    assert all(u.incompressible == (0 if compressed else 1) for u in proj)
