@@ -133,7 +133,9 @@ def quantize_2d(x: torch.Tensor, fmt: str, group_size: int, stochastic: bool, sm
     finite_elem = torch.isfinite(g)
     finite = finite_elem.all(dim=-1)
     absmax = torch.where(finite_elem, g.abs(), torch.zeros_like(g)).amax(dim=-1)
-    scales = absmax / QMAX[fmt]
+    # divided by a tensor, not a Python number: torch on CUDA turns the latter into a product with the
+    # reciprocal, which differs from IEEE division (and the kernels) in the last bit
+    scales = absmax / torch.full_like(absmax, QMAX[fmt])
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = torch.where(finite[..., None], g / safe[..., None], torch.zeros_like(g)).view(R, D)
     u = _uniform_mixed(smix, torch.arange(R * D, dtype=torch.int64, device=x.device).view(R, D)) if stochastic else None

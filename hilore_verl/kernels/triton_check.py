@@ -6,9 +6,9 @@ compressed tensor used to fail inside a training step. `triton_status(device)` l
 quantize + dequantize through Triton on the device once (cached per device) and compares it bit
 for bit with the reference, computed on CPU (the definition the kernels are held to). Where that
 fails, or a later launch fails (`triton_codec.LaunchError`), `quantize` / `dequantize` here run
-the torch reference on the device instead (pure torch: correct, slower; its scales can differ from
-the kernels' in the last bit, since torch on CUDA divides by a Python number as a product with its
-reciprocal) and one warning per device names what is missing. Out-of-memory errors are raised.
+the torch reference on the device instead (pure torch, slower; it divides by tensors only, so on
+CUDA too it is IEEE division as the kernels' `div_rn`) and one warning per device names what is
+missing. Out-of-memory errors are raised.
 """
 
 from __future__ import annotations
