@@ -54,9 +54,11 @@ class HiLoReConfig:
     oom_retries: int = 1
     """Times a mini-batch that ran out of device memory is retried with every unit recomputed."""
     step_snapshot: bool = True
-    """Copy this rank's parameter shards, gradients and optimizer state to host memory before each
-    optimizer step, so that a fault inside the step is undone (an out-of-memory error then retried
-    exactly). False: such a fault stops training with StepFailed (resume from a checkpoint)."""
+    """Copy this rank's stepped parameter shards and optimizer state to host memory when each mini-batch
+    starts (on a GPU on a side stream, overlapped with its passes; the step waits for the copies on the
+    device only), so that a fault inside the optimizer step is undone (an out-of-memory error then
+    retried by running the mini-batch again). False: such a fault stops training with StepFailed
+    (resume from a checkpoint)."""
     fault_timeout_s: float = 60.0
     """After an out-of-memory error, how long a rank waits for the others to report the same fault
     before it stops training (a fault on some ranks only cannot be retried)."""

@@ -33,31 +33,58 @@ def _padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
 
 
-def _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob):
+def _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
+           values: bool = True):
+    """Shapes and config (on the host); with `values`, also nan / inf on response tokens and negative
+    IS weights: every flag is computed on the tensors' device and read in one transfer."""
+    named = (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+             ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob))
     shape = response_mask.shape
-    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
-                    ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob)):
-        if t is None:
-            continue
-        if t.shape != shape:
+    for name, t in named:
+        if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, response_mask has {tuple(shape)}: they must agree")
-        valid = t[response_mask.bool()]
-        if not torch.isfinite(valid).all():
-            raise ValueError(f"{name} holds nan or inf on response tokens: nothing is computed from it")
     if getattr(actor_config, "use_kl_loss", False) and ref_log_prob is None:
         raise ValueError("ref_log_prob is required: the actor config has use_kl_loss=True")
-    if rollout_is_weights is not None and (rollout_is_weights[response_mask.bool()] < 0).any():
-        raise ValueError("rollout_is_weights must be >= 0")
+    if values:
+        check_values(response_mask, **{name: t for name, t in named if t is not None})
+
+
+def check_values(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Raise ValueError if a tensor holds nan or inf on response tokens, or rollout_is_weights is
+    negative there. Padded (B, T) tensors of one shape; one read of device data for all of them."""
+    mask = response_mask.bool()
+    flags, messages = [], []
+    for name, t in tensors.items():
+        flags.append((~torch.isfinite(t) & mask).any())
+        messages.append(f"{name} holds nan or inf on response tokens: nothing is computed from it")
+        if name == "rollout_is_weights":
+            flags.append(((t < 0) & mask).any())
+            messages.append("rollout_is_weights must be >= 0")
+    if not flags:
+        return
+    for bad, message in zip(torch.stack(flags).tolist(), messages):
+        if bad:
+            raise ValueError(message)
+
+
+def read_floats(values: Sequence[float | torch.Tensor]) -> list[float]:
+    """Numbers as Python floats; the tensors among them (0-d, on one device) read in one transfer."""
+    tensors = [v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights=None,
-                      ref_log_prob=None, global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
+                      ref_log_prob=None, global_batch_info: Mapping[str, Any] | None = None,
+                      check: bool = True) -> torch.Tensor:
     """c[b, t] = dL/dlog_prob[b, t] for verl's actor loss as configured (policy loss mode,
     loss_agg_mode, KL loss, IS weights); entropy excluded (see the module docstring).
 
     Tensors are padded (B, T) response-aligned, or jagged nested (one row per sequence) as in
     verl's no-padding batches. `global_batch_info`: dp_size, batch_num_tokens, global_batch_size,
     loss_scale_factor, as the engine sets them (omit for a single-rank, single-micro-batch view).
+    `check=False` skips the value checks (`check_values`, one read of device data) of inputs already
+    checked; shapes and config are checked either way.
     """
     log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, ref_log_prob = (
         _padded(n, t) for n, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob),
@@ -67,7 +94,8 @@ def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_c
                     ("response_mask", response_mask)):
         if t is None:
             raise ValueError(f"{name} is required")
-    _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob)
+    _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
+           values=check)
     from hilore_verl.integration.loss import loss_coefficients as verl_coefficients
 
     c = verl_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights,
@@ -86,17 +114,27 @@ class Exposure:
     suffix: torch.Tensor  # (B, T) sum over s >= t of token[b, s]: what token t's activations can reach
     sequence: torch.Tensor  # (B,) a sequence's total; also what its prompt tokens reach
     l2: torch.Tensor  # (B,) sqrt(sum_t token^2): the scale of a random per-token error's effect
-    micro_batches: list[float]  # total per micro-batch (sequences in order)
+    sizes: list[int]  # sequences per micro-batch, in order
     zero: torch.Tensor  # (B,) bool: sequences with no exposure at all
+
+    @property
+    def micro_batches(self) -> list[float]:
+        """Total per micro-batch (one read of device data)."""
+        return torch.stack([part.sum() for part in torch.split(self.sequence, self.sizes)]).tolist()
 
     @property
     def total(self) -> float:
         return float(self.sequence.sum())
 
-    def l2_of(self, rows: slice | torch.Tensor | None = None) -> float:
-        """sqrt(sum of token^2) over the given sequences (all by default)."""
+    def l2_tensor(self, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """sqrt(sum of token^2) over the given sequences (all by default), as a 0-d tensor on the
+        exposure's device: nothing is read until the caller reads it."""
         sel = self.token if rows is None else self.token[rows]
-        return float(sel.pow(2).sum().sqrt())
+        return sel.pow(2).sum().sqrt()
+
+    def l2_of(self, rows: slice | torch.Tensor | None = None) -> float:
+        """`l2_tensor` as a Python float."""
+        return float(self.l2_tensor(rows))
 
 
 def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: Sequence[int] | None = None,
@@ -118,8 +156,7 @@ def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: S
     sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else [c.shape[0]]
     if sum(sizes) != c.shape[0]:
         raise ValueError(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, not to the {c.shape[0]} sequences")
-    micro = [float(part.sum()) for part in torch.split(sequence, sizes)]
-    return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), micro, sequence == 0)
+    return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), sizes, sequence == 0)
 
 
 def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,

@@ -11,14 +11,17 @@ What a fault in each part leaves behind, and what puts it back:
                                       does not see. `reset_after_failure` discards all of it;
                                       parameters and optimizer state were not touched.
   optimizer step (clip, step)         gradients scaled in place, some parameters and Adam moments
-                                      updated, step counters advanced. Only a copy taken before the
-                                      step (`StepSnapshot`) puts them back.
+                                      updated, step counters advanced. Parameters and optimizer state
+                                      are put back from a copy taken when the mini-batch started
+                                      (`StepSnapshot`; nothing else changes them before the step); the
+                                      gradients are dropped and a retry runs the mini-batch again.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,6 +31,12 @@ logger = logging.getLogger("hilore_verl")
 
 class StepFailed(RuntimeError):
     """A fault inside the optimizer step that could not be undone (no snapshot was taken)."""
+
+
+def _device_module(device: torch.device):
+    """The accelerator module (torch.cuda, torch.npu, ...) whose streams copy a tensor on `device`;
+    None for the host, where copies are made inline."""
+    return None if device.type == "cpu" else torch.get_device_module(device.type)
 
 
 def _fsdp_states(module: nn.Module):
@@ -73,39 +82,83 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class StepSnapshot:
-    """Host copies of what an optimizer step changes: this rank's parameter shards, their gradients
-    (clipping scales them in place) and the optimizer state (moments, step counters). `take()` refreshes
-    them before each step into host buffers kept from the last one (pinned on CUDA); `restore()` writes
-    them back into the same tensors; state the step created (Adam's first step) is removed."""
+    """Host copies of what an optimizer step changes besides the gradients: the shards of the
+    optimizer's parameters and its state (moments, step counters), in host buffers kept from one step
+    to the next (pinned for an accelerator).
+
+    `take()` is called when the mini-batch starts, before its first forward: on an accelerator the
+    copies are queued on a side stream behind the work already queued (the last optimizer step),
+    and run while the mini-batch's forward and backward passes do; an event marks their end.
+    `before_step()` makes the current stream wait for that event on the device, so the step cannot
+    change a tensor before it is copied; the host never waits. `restore()` (a fault inside the
+    step) waits for the copies on the host, writes them back into the same tensors, and removes state
+    the step created (Adam's first step). On the host every copy is made inline in `take()`.
+
+    Gradients are not copied: the step scales them in place, and a retry runs the mini-batch again,
+    which gives them again bitwise (session.py)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
         self.module = module
         self.optimizer = optimizer
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}  # a side stream per accelerator device, kept
+        self._queued: dict[torch.device, Any] = {}  # devices with copies queued by this take(): their module
+        self._events: list = []  # (device module, device, event) marking the end of those copies
         self.params: list = []
-        self.grads: list = []
         self.state: dict = {}
 
     def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
         src = _local(t).detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-        buf.copy_(src, non_blocking=src.is_cuda)
+            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type != "cpu")
+        dm = _device_module(src.device)
+        if dm is None:
+            buf.copy_(src)
+            return buf
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = dm.Stream(src.device)
+        if src.device not in self._queued:  # behind the work already queued, which wrote the tensors
+            stream.wait_stream(dm.current_stream(src.device))
+            self._queued[src.device] = dm
+        with dm.stream(stream):
+            buf.copy_(src, non_blocking=True)
+        if src.device.type != "cpu":
+            src.record_stream(stream)  # the allocator does not reuse its memory before the copy has run
         return buf
+
+    def _parameters(self) -> list:
+        """The parameters the optimizer steps, each once (frozen ones never change)."""
+        params, seen = [], set()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
 
     @torch.no_grad()
     def take(self) -> "StepSnapshot":
-        params = list(self.module.parameters())
+        """Queue the copies (when the mini-batch starts, before its first forward); returns self."""
+        self._queued = {}
+        params = self._parameters()
         self.params = [(p, self._copy(("p", i), p)) for i, p in enumerate(params)]
-        self.grads = [(p, None if p.grad is None else self._copy(("g", i), p.grad)) for i, p in enumerate(params)]
         index = {p: i for i, p in enumerate(params)}
         self.state = {p: {k: self._copy(("s", index.get(p, id(p)), k), v) if isinstance(v, torch.Tensor)
                           else copy.deepcopy(v) for k, v in s.items()}
                       for p, s in self.optimizer.state.items()}
-        if any(p.is_cuda for p in params):
-            torch.cuda.synchronize()  # the copies are non-blocking into pinned buffers
+        self._events = []
+        for device, dm in self._queued.items():
+            event = dm.Event()
+            event.record(self._streams[device])
+            self._events.append((dm, device, event))
         return self
+
+    def before_step(self) -> None:
+        """Right before the optimizer step: the current stream waits for the copies, on the device."""
+        for dm, device, event in self._events:
+            dm.current_stream(device).wait_event(event)
 
     @property
     def nbytes(self) -> int:
@@ -113,15 +166,11 @@ class StepSnapshot:
 
     @torch.no_grad()
     def restore(self) -> None:
+        """After a fault inside the step: parameters and optimizer state as `take()` found them."""
+        for _, _, event in self._events:
+            event.synchronize()  # the copies have landed in the host buffers
         for p, saved in self.params:
             _local(p).copy_(saved)
-        for p, saved in self.grads:
-            if saved is None:
-                p.grad = None
-            elif p.grad is None:
-                raise StepFailed("hilore-verl: a gradient vanished during the failed optimizer step; cannot restore it")
-            else:
-                _local(p.grad).copy_(saved)
         state = self.optimizer.state
         for p in [p for p in state if p not in self.state]:
             del state[p]

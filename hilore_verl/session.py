@@ -14,7 +14,10 @@ Order of one mini-batch (`Session.train`):
   every call      step += 1; the controller gets every micro-batch's exposure and tokens,
                   reduced over ranks; an audit every `audit_every` steps; the framework's
                   step under out-of-memory retries; the mini-batch's `hilore/*` metrics
-  per micro-batch `before_forward` applies the plan, `after_forward` records the risk spent
+  per micro-batch `before_forward` applies the plan, `after_forward` hands on the exact exposure
+                  (a device tensor, or a function computing one: nothing waits for the device
+                  between a forward and its backward); the controller reads them all at once
+                  with the mini-batch's metrics
 
 A fault anywhere leaves the session as before the call (the step counter too), or is retried
 exactly: see `_train_with_retries` and `optimizer_step`.
@@ -29,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from hilore_verl.config import HiLoReConfig
+from hilore_verl.exposure import read_floats
 from hilore_verl.planner import Controller, profile
 from hilore_verl.planner.costs import measured_values, set_measured_values
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
@@ -50,10 +54,10 @@ class Passes(Protocol):
     def train_pass(self, batch) -> None: ...  # forward + backward of the training loss, current plan
     def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor: ...
     def coefficients(self, batch) -> torch.Tensor: ...  # predicted (on-policy) c of a micro-batch
-    def exposure_l2(self, batch, log_prob=None) -> float: ...  # |c| (+ entropy bound), exact with log_prob
+    def exposure_l2(self, batch, log_prob=None) -> float | torch.Tensor: ...  # |c| (+ entropy bound), or 0-d
     def zero_grad(self) -> None: ...
     def recover(self) -> None: ...  # forget a failed forward / backward (no gradient left), free memory
-    def empty_cache(self) -> None: ...  # return cached device memory (before an optimizer-step retry)
+    def empty_cache(self) -> None: ...  # return cached device memory
     def static_bytes(self) -> float: ...  # parameters, gradients and optimizer state on this rank
     def free_bytes(self) -> float: ...  # device memory available to the update (budget mode "auto")
 
@@ -95,6 +99,7 @@ class Session:
         self.retry_mode: str | None = None  # while retrying: "keep_to_recompute" or "recompute"
         self._restored: dict | None = None
         self._micro_index = 0
+        self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict | None:
@@ -211,6 +216,8 @@ class Session:
             return self._train(micro_batches, step, tokens)
         except BaseException:
             self.step = start_step  # the mini-batch did not happen
+            if self.controller is not None:
+                self.controller.discard_unread()
             self._recover()
             raise
 
@@ -244,7 +251,8 @@ class Session:
         if high != -low:
             raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
                              "verl splits them with same_micro_num_in_dp=True")
-        squares = self.collectives.reduce([self.passes.exposure_l2(mb) ** 2 for mb in micro_batches], "sum")
+        exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
+        squares = self.collectives.reduce([e ** 2 for e in exposures], "sum")
         counts = self.collectives.reduce([float(tokens(mb)) for mb in micro_batches], "max")
         self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts])
 
@@ -256,7 +264,7 @@ class Session:
         that exposure, without the entropy bound planning adds. No micro-batch with exposure, or a
         zero exact gradient: None, and nothing is recorded or changed."""
         coefficients = [self.passes.coefficients(mb) for mb in micro_batches]
-        squares = self.collectives.reduce([float(c.double().pow(2).sum()) for c in coefficients], "sum")
+        squares = self.collectives.reduce(read_floats([c.double().pow(2).sum() for c in coefficients]), "sum")
         exposure_l2 = [math.sqrt(s) for s in squares]
         index = self.controller.audit_micro_batch(self.step, exposure_l2)
         if index is None:
@@ -270,37 +278,47 @@ class Session:
                                             reduce=None if self.collectives.world_size == 1 else self.collectives.sum_)
 
     def _train_with_retries(self, step):
-        """The framework's step. Out of device memory in a forward, backward or gradient sync, on every
-        rank: put the step back (the framework's pass state and gradients, RNG, the runtime's seeds)
-        and retry it; the first retry runs each micro-batch's own plan with kept units recomputed
-        (bitwise the update the step would have made), later ones recompute every unit (the exact
-        gradient). In the optimizer step: `optimizer_step` restores and retries it. A fault on some
-        ranks only, any other exception, or no retry left: the step is put back and the error raised.
-        After a retry, later plans are 10% tighter."""
+        """The framework's step. Out of device memory on every rank: put the step back (the framework's
+        pass state and gradients, RNG, the runtime's seeds; after a fault in the optimizer step also the
+        parameters and optimizer state, from the snapshot: `optimizer_step`) and run the mini-batch
+        again. A fault in a forward, backward or gradient sync: the first retry runs each micro-batch's
+        own plan with kept units recomputed (bitwise the update the step would have made), later ones
+        recompute every unit (the exact gradient). A fault in the optimizer step: the retry runs the
+        plans of the attempt that failed, kept units recomputed, so its gradients (and grad norm) are
+        bitwise the failed attempt's. A fault on some ranks only, any other exception, or no retry left:
+        the step is put back and the error raised. After a retry, later plans are 10% tighter."""
         self.retries = 0
         start = StepStart(self.runtime)
         try:
             while True:
                 self._micro_index = 0
+                self._in_optimizer_step = False
                 try:
                     return step()
                 except torch.OutOfMemoryError as err:
+                    where = " in the optimizer step" if self._in_optimizer_step else ""
                     if self.retries >= self.config.oom_retries:
-                        self._fail(start, f"out of memory at step {self.step} after {self.retries} retries")
+                        self._fail(start, f"out of memory{where} at step {self.step} after {self.retries} retries")
                         raise
-                    message = str(err).splitlines()[0] if str(err) else "out of memory"
+                    message = (str(err).splitlines()[0] if str(err) else "out of memory") + where
                 except BaseException:
                     self._fail(start, None)
                     raise
                 # outside the except block: the failed attempt's graph went with its traceback
+                in_step = self._in_optimizer_step
                 self._recover()
                 self._agree_or_raise(start, message)
                 start.restore()
                 self.retries += 1
-                self.retry_mode = "keep_to_recompute" if self.retries == 1 else "recompute"
-                logger.warning("hilore-verl: %s at step %d; retry %d/%d with %s, planning 10%% tighter from now on",
-                               message, self.step, self.retries, self.config.oom_retries,
-                               "kept units recomputed" if self.retries == 1 else "every unit recomputed")
+                if in_step:  # the gradients were not at fault: the same plans, so the same gradients
+                    self.retry_mode = self.retry_mode or "keep_to_recompute"
+                else:
+                    self.retry_mode = "keep_to_recompute" if self.retry_mode is None else "recompute"
+                logger.warning("hilore-verl: %s at step %d; %sretry %d/%d with %s, planning 10%% tighter from now on",
+                               message, self.step, "parameters and optimizer state restored; " if in_step else "",
+                               self.retries, self.config.oom_retries,
+                               "kept units recomputed" if self.retry_mode == "keep_to_recompute"
+                               else "every unit recomputed")
         finally:
             self.retry_mode = None
             if self.retries:
@@ -344,43 +362,38 @@ class Session:
         """Whether `after_forward` wants the exact exposure (coefficients known, not a retry)."""
         return self.passes.has_coefficients and self.retry_mode is None
 
-    def after_forward(self, index: int, exposure_l2_exact: float) -> None:
-        """After its forward, before its backward: the risk spent, from the exact coefficients."""
+    def after_forward(self, index: int, exposure_l2_exact) -> None:
+        """After its forward, before its backward: the exact exposure, for the risk spent. A float, a
+        0-d tensor or a function computing one (`Controller.after_forward`): a tensor is not read here,
+        and a function not called, so that nothing waits for the device before the backward."""
         self.controller.after_forward(index, exposure_l2_exact)
 
     # ------------------------------------------------------------------ the optimizer step
     def optimizer_step(self, step: Callable[[], Any], snapshot: StepSnapshot | None):
-        """The framework's optimizer step (clip + step), undone on any fault from `snapshot` (taken
-        just before); an out-of-memory error is then retried exactly (same gradients, same state)
-        within oom_retries."""
-        while True:
-            retry = False
-            try:
-                return step()
-            except torch.OutOfMemoryError:
-                if snapshot is None:
-                    raise StepFailed("hilore-verl: out of memory inside the optimizer step, which may have updated "
-                                     "some parameters already; with hilore.step_snapshot=false it cannot be undone: "
-                                     "resume from the last checkpoint") from None
-                snapshot.restore()
-                if self.retries >= self.config.oom_retries:
-                    raise
-                retry = True
-            except BaseException as err:
-                if snapshot is None:
-                    raise StepFailed(f"hilore-verl: the optimizer step failed ({type(err).__name__}) and may have "
-                                     "updated some parameters already; with hilore.step_snapshot=false it cannot "
-                                     "be undone: resume from the last checkpoint") from err
-                snapshot.restore()
-                raise
-            if retry:  # outside the except block
-                self.passes.empty_cache()
-                if not self.collectives.every_rank_failed():
-                    raise StepFailed(f"hilore-verl: out of memory in the optimizer step at step {self.step} on this "
-                                     "rank only; training stops here with this rank's state as before the step")
-                self.retries += 1
-                logger.warning("hilore-verl: out of memory in the optimizer step at step %d; state restored, "
-                               "retry %d/%d", self.step, self.retries, self.config.oom_retries)
+        """The framework's optimizer step (clip + step). A fault inside it may have updated some
+        parameters and moments already: they are put back from `snapshot` (taken when the mini-batch
+        started: parameters and optimizer state change only in this step) and the error raised on.
+        `_train_with_retries` then retries an out-of-memory error on every rank by running the
+        mini-batch again, whose gradients are bitwise the failed attempt's; the gradients themselves are
+        never copied. Without a snapshot the fault cannot be undone: StepFailed."""
+        try:
+            return step()
+        except torch.OutOfMemoryError:
+            if snapshot is None:
+                raise StepFailed("hilore-verl: out of memory inside the optimizer step, which may have updated "
+                                 "some parameters already; with hilore.step_snapshot=false it cannot be undone: "
+                                 "resume from the last checkpoint") from None
+            snapshot.restore()
+            self._in_optimizer_step = True
+            raise
+        except BaseException as err:
+            if snapshot is None:
+                raise StepFailed(f"hilore-verl: the optimizer step failed ({type(err).__name__}) and may have "
+                                 "updated some parameters already; with hilore.step_snapshot=false it cannot "
+                                 "be undone: resume from the last checkpoint") from err
+            snapshot.restore()
+            self._in_optimizer_step = True
+            raise
 
 
 __all__ = ["Collectives", "Passes", "Session", "SingleProcess"]

@@ -170,6 +170,32 @@ def test_bad_input_names_the_field():
         exposure.summarize(torch.zeros(3, 2), torch.ones(3, 2), micro_batch_sizes=[1, 1])
 
 
+def test_value_checks_read_once_and_can_be_skipped(monkeypatch):
+    batch, log_prob = _batch(is_weights=True)
+    mask = batch["response_mask"]
+    weights = batch["rollout_is_weights"].clone()
+    row, col = mask.bool().nonzero()[0].tolist()
+    weights[row, col] = -1.0  # on one response token
+    with pytest.raises(ValueError, match="rollout_is_weights must be >= 0"):
+        exposure.check_values(mask, advantages=batch["advantages"], rollout_is_weights=weights)
+    off_response = batch["advantages"].clone()
+    off_response[~mask.bool()] = float("nan")  # padding is not looked at
+    exposure.check_values(mask, advantages=off_response)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("a read per flag"))
+    exposure.check_values(mask, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
+                          rollout_is_weights=batch["rollout_is_weights"])
+    assert reads == [1]  # every flag in one transfer
+    monkeypatch.undo()
+    bad = batch["advantages"].clone()
+    bad[mask.bool()] = float("inf")
+    c = exposure.loss_coefficients(log_prob, batch["old_log_probs"], bad, mask, actor_config(), check=False)
+    assert c.shape == mask.shape  # unchecked: the caller checked the values
+    assert exposure.read_floats([1.5, torch.tensor(0.25), torch.tensor(2.0, dtype=torch.float64)]) == [1.5, 0.25, 2.0]
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
     """Zero advantages give c = 0, but an entropy bonus still moves the policy: with entropy_coeff > 0

@@ -98,7 +98,7 @@ def _trainer(managed: bool, **config):
             index = session.before_forward() if session else None
             loss = -(response_log_probs(model, mb) * mb["c"]).sum()
             if session and session.records_risk():
-                session.after_forward(index, float(mb["c"].norm()))
+                session.after_forward(index, mb["c"].norm())  # unread: the controller reads it with the metrics
             loss.backward()
         if session:
             return session.optimizer_step(optimizer.step, snapshot.take())
@@ -200,6 +200,27 @@ def test_a_fault_in_the_optimizer_step_is_undone_from_the_snapshot():
         train(_micro_batches(1))
     del optimizer.step
     assert session.step == 1 and all(torch.equal(a, b) for a, b in zip(_params(model), before))
+
+
+def test_an_out_of_memory_error_in_the_optimizer_step_runs_the_mini_batch_again():
+    model, optimizer, session, train = _trainer(True, risk_budget=0.0)
+    reference, _, _, reference_train = _trainer(True, risk_budget=0.0)
+    for trainer in (train, reference_train):
+        trainer(_micro_batches(0))
+    real, calls = optimizer.step, []
+
+    def fails_once(*args, **kwargs):
+        real(*args, **kwargs)  # parameters and moments updated, then the fault
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected after the update")
+
+    optimizer.step = fails_once
+    metrics = train(_micro_batches(1))
+    del optimizer.step
+    reference_train(_micro_batches(1))
+    assert calls == [1, 1] and metrics["hilore/oom_retries"] == 1.0 and session.step == 2
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(reference)))
 
 
 def test_a_restored_state_plans_without_probing(counted_profiles):

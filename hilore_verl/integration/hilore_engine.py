@@ -7,9 +7,11 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `train_batch`: split the mini-batch as verl does and hand it to the session (session.py: probing
     and calibration on the first call, the plan per micro-batch, the audit, out-of-memory retries),
     which runs verl's own train_batch; add its `hilore/*` metrics;
-  - `forward_step`: the session applies each training micro-batch's plan before its forward and
-    records the risk spent from the exact coefficients after it, before its backward;
-  - `optimizer_step`: verl's, under a host snapshot that undoes a fault inside it;
+  - `forward_step`: the session applies each training micro-batch's plan before its forward and, after
+    it, gets the exact exposure as a deferred computation: nothing in it reads device data (the
+    controller computes and reads every micro-batch's with the mini-batch's metrics);
+  - `optimizer_step`: verl's, under a host snapshot of parameters and optimizer state taken when the
+    mini-batch started (queued on a side stream, overlapped with the passes) that undoes a fault inside it;
   - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit;
   - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint
     (`hilore_controller.json`: plain JSON, validated on load; a bad or legacy pickled file re-profiles).
@@ -32,7 +34,7 @@ from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor_config import BACKEND
 from hilore_verl.integration.collectives import collectives_for
 from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
-from hilore_verl.integration.device_memory import available_bytes
+from hilore_verl.integration.device_memory import available_bytes, compute_device
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
@@ -107,7 +109,7 @@ class VerlPasses:
     def coefficients(self, batch) -> torch.Tensor:
         return self.engine._coefficients(batch)
 
-    def exposure_l2(self, batch, log_prob=None) -> float:
+    def exposure_l2(self, batch, log_prob=None) -> torch.Tensor:
         return self.engine._exposure_l2(batch, log_prob)
 
     def zero_grad(self) -> None:
@@ -129,8 +131,9 @@ class VerlPasses:
         return total
 
     def free_bytes(self) -> float:
-        e = self.engine  # measured now, when the actor trains (see device_memory.py)
-        return available_bytes(next(e.module.parameters()).device, e.get_data_parallel_group())
+        # measured now, when the actor trains, on the device it computes on (a parameter may be
+        # on the host under FSDP2's parameter offload; see device_memory.py)
+        return available_bytes(compute_device(), self.engine.get_data_parallel_group())
 
 
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
@@ -156,6 +159,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.runtime = None
         self.session: Session | None = None
         self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
+        self._taken: StepSnapshot | None = None  # the snapshot of the mini-batch in train_batch now
 
     @property
     def controller(self):
@@ -201,23 +205,47 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return read_controller_state(local_path, [u.name for u in self.runtime.units], group)
 
     # ------------------------------------------------------------------ loss coefficients
+    def _check_inputs(self, data) -> None:
+        """The mini-batch's loss inputs, checked once (nan / inf, negative IS weights: one read of
+        device data); its micro-batches' coefficients are then computed without checks."""
+        if self.actor_config is None:
+            return
+        keys = ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
+        tensors = {k: _padded(data, k) for k in keys if k in data}
+        names = {"old_log_probs": "old_log_prob"}
+        exposure.check_values(_padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
+
     def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
-        """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it."""
+        """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it
+        (its inputs' values were checked with the mini-batch's: `_check_inputs`)."""
         mask = _padded(micro_batch, "response_mask")
         old = _padded(micro_batch, "old_log_probs")
         optional = {k: _padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
-        return exposure.loss_coefficients(old if log_prob is None else log_prob, old,
-                                          _padded(micro_batch, "advantages"), mask, self.actor_config, **optional)
+        return exposure.loss_coefficients(old if log_prob is None else log_prob.to(old.device), old,
+                                          _padded(micro_batch, "advantages"), mask, self.actor_config,
+                                          check=False, **optional)
 
-    def _exposure_l2(self, micro_batch, log_prob=None) -> float:
-        """L2 of the micro-batch's exposure: |c_t|, plus the entropy bound when the actor's entropy_coeff
-        is not 0 (the entropy bonus acts on the logits, so c leaves it out; a zero-advantage micro-batch
-        still moves the policy through it)."""
+    def _exposure_l2(self, micro_batch, log_prob=None) -> torch.Tensor:
+        """L2 of the micro-batch's exposure, a 0-d tensor (unread): |c_t|, plus the entropy bound when
+        the actor's entropy_coeff is not 0 (the entropy bonus acts on the logits, so c leaves it out; a
+        zero-advantage micro-batch still moves the policy through it)."""
         if self.actor_config is None:
-            return 1.0
+            return torch.ones(())
         c = self._coefficients(micro_batch, log_prob)
         vocab = self._vocab_size() if getattr(self.actor_config, "entropy_coeff", 0) else None
-        return exposure.actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config, vocab).l2_of()
+        return exposure.actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config,
+                                       vocab).l2_tensor()
+
+    def _exact_exposure(self, micro_batch, output):
+        """The exact exposure of a trained micro-batch, deferred: a function the controller calls with
+        the mini-batch's metrics, after the last backward (it converts verl's log-probs to the padded
+        layout and runs verl's loss for the coefficients, both of which read device data)."""
+        log_probs = output["model_output"]["log_probs"]  # detached by verl
+
+        def exact() -> torch.Tensor:
+            return self._exposure_l2(micro_batch, no_padding_2_padding(log_probs, micro_batch))
+
+        return exact
 
     def _vocab_size(self) -> int | None:
         """The model's vocabulary size V (the entropy bound is 2 ln V), from verl's model config."""
@@ -236,21 +264,32 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.actor_config is None:  # the actor worker binds ppo_loss to the actor config
             self.actor_config = getattr(loss_function, "keywords", {}).get("config")
         self.session.passes.loss_function = loss_function
-        out, metrics = self.session.train(self._micro_batches(data),
-                                          lambda: super(HiLoReFSDPEngine, self).train_batch(data, loss_function),
-                                          lambda mb: int(mb["input_ids"].values().numel()))
+        self._taken = self._take_snapshot()  # before the first forward: overlapped with the passes
+        try:
+            self._check_inputs(data)
+            out, metrics = self.session.train(self._micro_batches(data),
+                                              lambda: super(HiLoReFSDPEngine, self).train_batch(data, loss_function),
+                                              lambda mb: int(mb["input_ids"].values().numel()))
+        finally:
+            self._taken = None
         if self.is_mp_src_rank_with_outputs():
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
             out["metrics"].update({k: [v] for k, v in metrics.items()})
         return out
 
+    def _take_snapshot(self) -> StepSnapshot | None:
+        if not self.hilore.step_snapshot:
+            return None
+        if self._snapshot is None:
+            self._snapshot = StepSnapshot(self.module, self.optimizer)
+        return self._snapshot.take()
+
     def optimizer_step(self):
-        """verl's optimizer step (clip + step), undone on any fault from a host snapshot taken before it."""
-        snapshot = None
-        if self.hilore.step_snapshot:
-            if self._snapshot is None:
-                self._snapshot = StepSnapshot(self.module, self.optimizer)
-            snapshot = self._snapshot.take()
+        """verl's optimizer step (clip + step), undone on any fault from the snapshot of the mini-batch
+        (taken now when called outside train_batch)."""
+        snapshot = self._taken if self._taken is not None else self._take_snapshot()
+        if snapshot is not None:
+            snapshot.before_step()  # the device waits for the copies; the host does not
         return self.session.optimizer_step(super().optimizer_step, snapshot)
 
     def plain_forward_step(self, micro_batch, loss_function):
@@ -263,8 +302,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         index = self.session.before_forward()
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self.session.records_risk():
-            log_prob = no_padding_2_padding(output["model_output"]["log_probs"], micro_batch)
-            self.session.after_forward(index, self._exposure_l2(micro_batch, log_prob.detach()))
+            self.session.after_forward(index, self._exact_exposure(micro_batch, output))
         return loss, output
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):

@@ -3,6 +3,7 @@
     ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
     ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per micro-batch, reduced over ranks
     for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
+    ctl.metrics()                                         # reads the exact exposures, one transfer
     ctl.end_mini_batch(measured_peak_bytes)
     on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
     checkpoints:             ctl.state_dict() (plain numbers and names; planner/state.py writes and checks the file)
@@ -15,6 +16,12 @@ Risk: micro-batch i's lossy units may spend sqrt(sum_u risk(u)^2) up to its allo
 mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly over micro-batches
 (in quadrature). Exposures and token counts come reduced over the data-parallel group (session.py). A micro-batch with no exposure (all zero-advantage) spends nothing, whatever it
 compresses; a high-exposure one must keep or recompute more.
+
+The risk spent (`after_forward`, from the exact coefficients of the real log-probs) is a metric
+only: no plan depends on it. So a micro-batch's exact exposure may come as a device tensor, or as a
+function that computes one, and is read later: all of a mini-batch's at once, in one transfer,
+when `metrics()` (or the next `begin_mini_batch`, or an audit) needs them. Nothing between a
+micro-batch's forward and its backward waits for the device.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
+from hilore_verl.exposure import read_floats
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.planner.solver import Infeasible, Option, solve
@@ -35,6 +43,7 @@ from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
 HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
+Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Controller:
                              f"needs: {self.gc_peak / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
         self._cache: dict[tuple, dict[str, str]] = {}
         self._micro: list[tuple[float, int]] = []
+        self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
 
@@ -100,6 +110,7 @@ class Controller:
         n = len(exposure_l2)
         if n != len(tokens) or n == 0:
             raise ValueError(f"need one exposure and one token count per micro-batch; got {n} and {len(tokens)}")
+        self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
         self._micro = [(float(e), int(t)) for e, t in zip(exposure_l2, tokens)]
@@ -213,11 +224,33 @@ class Controller:
             out.append([o if o.name == "recompute" else dataclasses.replace(o, memory=o.memory + share) for o in opts])
         return out, saving * len(per_layer)
 
-    def after_forward(self, index: int, exposure_l2_exact: float) -> None:
-        """Record the risk actually spent, from the exact coefficients (after the forward, before backward)."""
-        if self.history and self.risk is not None:
-            self.history[-1].spent_risk = self.risk.predict(self.runtime_plan(self.history[-1].plan),
-                                                            exposure_l2_exact)
+    def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
+        """The exact exposure of the micro-batch just planned (after its forward, before its backward),
+        for the risk it actually spent. A float is recorded now; a tensor, or a function that computes
+        one, is kept unread until `record_spent` (which metrics() calls): nothing here waits for the device."""
+        if not self.history or self.risk is None:
+            return
+        if isinstance(exposure_l2_exact, (int, float)):
+            self._record_spent(self.history[-1], float(exposure_l2_exact))
+        else:
+            self._unread.append((self.history[-1], exposure_l2_exact))
+
+    def record_spent(self) -> None:
+        """Read the exact exposures `after_forward` kept (every tensor in one transfer) and record the
+        risk each micro-batch spent; called once per mini-batch, after its last backward."""
+        unread, self._unread = self._unread, []
+        if not unread:
+            return
+        values = read_floats([value() if callable(value) else value for _, value in unread])
+        for (record, _), l2 in zip(unread, values):
+            self._record_spent(record, l2)
+
+    def discard_unread(self) -> None:
+        """Forget the exact exposures of a mini-batch that failed (its risk spent stays unrecorded)."""
+        self._unread = []
+
+    def _record_spent(self, record: PlanRecord, exposure_l2_exact: float) -> None:
+        record.spent_risk = self.risk.predict(self.runtime_plan(record.plan), exposure_l2_exact)
 
     def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
         """If the measured peak went over the budget, plan tighter from now on. (A gc_ratio budget is
@@ -252,6 +285,7 @@ class Controller:
         (every rank then records the same result). Returns the AuditResult, or None when the exact
         gradient was zero (nothing recorded or changed). The result's metrics are part of `metrics()`
         until the next `begin_mini_batch`."""
+        self.record_spent()  # under the risk model the audit is about to re-scale
         result = self.audit.run(step, exact, approx, self.runtime_plan(self.history[-1].plan), exposure_l2,
                                 reduce=reduce)
         if result is None:
@@ -302,6 +336,8 @@ class Controller:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
+        """The last plan's figures (reads the exact exposures kept unread: `record_spent`)."""
+        self.record_spent()
         if not self.history:
             return {}
         last = self.history[-1]
