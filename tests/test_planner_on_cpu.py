@@ -453,9 +453,10 @@ def test_ranks_average_every_float_field_of_the_cost_table():
     costs = CostTable([UnitProfile("a", 10.0, 2.0, 1e-3, 0.5), UnitProfile("b", 20.0, 4.0, 2e-3)], tokens=64,
                       unmanaged_bytes=7.0, region_saving_bytes=3.0)
     values = measured_values(costs)
-    # per unit: saved, held, forward, compressible and two quadratic shares; the table's unmanaged,
-    # codec, host, region saving and unmanaged quadratic share: a new float field is averaged too
-    assert len(values) == 2 * 6 + 5 and 3.0 in values
+    # per unit: saved, held, forward, compressible, two quadratic shares and the forward's fixed share;
+    # the table's unmanaged, codec, host, region saving and unmanaged quadratic share: a new float
+    # field is averaged too
+    assert len(values) == 2 * 7 + 5 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 

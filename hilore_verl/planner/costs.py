@@ -5,6 +5,10 @@ recomputed unit must still hold, each unit's forward time, codec and host-copy t
 scaled by token count: with k = tokens / probe tokens, a figure f measured on the probe becomes
 f ((1 - q) k + q k^2), where q is the share of it found to grow with tokens squared by a second,
 smaller probe (a dense attention mask over a packed row, attention's time; 0 on varlen attention).
+A forward time may instead have a fixed share a (per-call overhead: a GPU's launches, which bound a
+small probe), F (a + (1 - a) k), so that the probe's overhead is not scaled up with the tokens.
+Codec and host-copy bandwidths are fitted as t = t0 + bytes / bw at sizes of the probe's largest
+unit (at least 64 MiB on a GPU), the copies as the offload makes them (pinned, on a side stream).
 Per unit u with saved bytes S_u, held-for-recompute bytes H_u (linear), forward time F_u and
 compressible share c_u (the rest, e.g. -inf masks, stays exact on the device), so scaled:
 
@@ -31,7 +35,7 @@ from hilore_verl.planner.solver import Option
 from hilore_verl.runtime import Runtime
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import unit_kind
-from hilore_verl.timing import DeviceClock
+from hilore_verl.timing import DeviceClock, fit_bandwidth
 
 @dataclass
 class UnitProfile:
@@ -42,6 +46,7 @@ class UnitProfile:
     compressible: float = 1.0  # share of saved bytes a codec can take (the rest, e.g. -inf masks, stays exact)
     saved_quadratic: float = 0.0  # share of saved_bytes that grows with tokens squared (a dense mask over a packed row)
     forward_quadratic: float = 0.0  # the same for forward_s (attention over a packed row)
+    forward_fixed: float = 0.0  # share of forward_s that does not grow with tokens (per-call overhead, launches)
 
 
 @dataclass
@@ -65,10 +70,15 @@ class CostTable:
     def scale(self, tokens: int) -> float:
         return tokens / self.tokens
 
-    def grow(self, value: float, quadratic: float, tokens: int) -> float:
-        """A figure measured at the probe's tokens, at `tokens`: its quadratic share grows with k^2."""
+    def grow(self, value: float, quadratic: float, tokens: int, fixed: float = 0.0) -> float:
+        """A figure measured at the probe's tokens, at `tokens`: its quadratic share grows with k^2, its
+        fixed share not at all, the rest with k."""
         k = tokens / self.tokens
-        return value * ((1 - quadratic) * k + quadratic * k * k)
+        return value * (fixed + (1 - fixed - quadratic) * k + quadratic * k * k)
+
+    def forward(self, unit: UnitProfile, tokens: int) -> float:
+        """A unit's forward time at `tokens` (what recomputing it costs)."""
+        return self.grow(unit.forward_s, unit.forward_quadratic, tokens, unit.forward_fixed)
 
     def unmanaged(self, tokens: int) -> float:
         return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens)
@@ -77,7 +87,7 @@ class CostTable:
         """keep, recompute, then each format (and its offloaded variant when enabled)."""
         S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
         H = unit.held_bytes * self.scale(tokens)  # inputs and outputs held: one row per token
-        F = self.grow(unit.forward_s, unit.forward_quadratic, tokens)
+        F = self.forward(unit, tokens)
         opts = [Option("keep", S, 0.0), Option("recompute", H, F)]
         if S > 0:
             for fmt in self.formats:
@@ -153,8 +163,69 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
     return totals
 
 
-def _throughput(clock: DeviceClock, fn: Callable[[], None], nbytes: int, repeats: int = 3) -> float:
-    return nbytes / max(clock.time(fn, repeats), 1e-12)
+SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned
+SAMPLE_MAX_BYTES = 512 * 2**20
+CPU_SAMPLE_ELEMENTS = 1024 * 1024  # the CPU is bandwidth-bound at a few MiB: keep its probe cheap
+REPEATS = 3
+
+
+def _parts(clock: DeviceClock) -> int:
+    """How `fit_bandwidth` splits the sample: a quarter off the CPU; on the CPU, where a call's fixed
+    time is small against a few MiB and two sizes' difference is mostly noise, one size (parts 1)."""
+    return 1 if clock.device.type == "cpu" else 4
+
+
+def sample_bytes(device: torch.device, largest: float, element_size: int) -> int:
+    """Size of the codec and host-copy samples: on the CPU a fixed 1M elements; elsewhere the probe's
+    `largest` unit's saved bytes, at least SAMPLE_MIN_BYTES, at most SAMPLE_MAX_BYTES and an eighth of
+    the device's free memory (the codec's output and the copies' buffers come on top). A whole number
+    of 4 rows of 1024 elements (the fit's smaller size is a quarter)."""
+    row = 4 * 1024 * element_size
+    if device.type == "cpu":
+        return CPU_SAMPLE_ELEMENTS * element_size
+    module = torch.get_device_module(device.type)
+    free = module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else 8 * SAMPLE_MAX_BYTES
+    return max(int(min(max(largest, SAMPLE_MIN_BYTES), SAMPLE_MAX_BYTES, free // 8)) // row, 1) * row
+
+
+def codec_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
+    """Activation bytes per second of quantize + dequantize (int8), counted twice (the table prices a
+    unit's codec time as 2 S / codec_bytes_per_s): the slope of `fit_bandwidth` over `sample` and its
+    first quarter, so that a call's launch overhead is not read as low bandwidth (on the CPU: the
+    sample's throughput)."""
+    row = sample[0].numel() * sample.element_size()
+
+    def seconds(nbytes: int) -> float:
+        part = sample[: nbytes // row]
+        return clock.time(lambda: quantize(part, "int8", 64).dequantize(), REPEATS)
+
+    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
+
+
+def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+
+
+def host_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
+    """Bytes per second one way between the device and the host, as the runtime's offload copies
+    (runtime/offload.py): into a pinned host buffer and back, non-blocking on a side stream, timed by
+    events on that stream; on the CPU synchronous copies (the offload's path there). The slope of
+    `fit_bandwidth` over the round trip of `sample` and of its first quarter (on the CPU: the
+    sample's throughput)."""
+    side = clock.module.Stream() if clock.events else None
+    host, back = host_buffer(sample, pinned=clock.events), torch.empty_like(sample)
+    flat = [t.view(-1) for t in (sample, host, back)]
+
+    def seconds(nbytes: int) -> float:
+        src, buf, dst = (t[: nbytes // sample.element_size()] for t in flat)
+
+        def trip():
+            buf.copy_(src, non_blocking=clock.events)  # forward: to the host
+            dst.copy_(buf, non_blocking=clock.events)  # backward: back to the device
+
+        return clock.time(trip, REPEATS, stream=side)
+
+    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
 
 
 def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
@@ -166,10 +237,42 @@ def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
 def quadratic_share(small: float, large: float, r: float) -> float:
     """Share q of a figure at the larger probe that grows with tokens squared, from the figure at both
     probes (`r` = small tokens / large tokens): small / large = (1 - q) r + q r^2, q clipped to [0, 1]
-    (a fixed part, e.g. per-call overhead, reads as q < 0 and is priced linearly)."""
+    (a fixed part, e.g. per-call overhead, reads as q < 0: `fixed_share` prices it)."""
     if large <= 0 or not 0 < r < 1:
         return 0.0
     return min(max((r - small / large) / (r - r * r), 0.0), 1.0)
+
+
+def fixed_share(small: float, large: float, r: float, noise: float = 0.0) -> float:
+    """Share a of a figure at the larger probe that does not grow with tokens (per-call overhead: a
+    GPU's launches, which bound a small probe), from the figure at both probes: small / large =
+    a + (1 - a) r, where the figure grew, but less than linearly (r < small / large < 1) by more than
+    `noise` (the ratio's relative uncertainty). Otherwise 0, priced linearly as without a second
+    probe: growth at least linear is the quadratic share's, and growth that noise cannot tell from
+    linear or from none is not measured."""
+    if large <= 0 or not 0 < r < 1:
+        return 0.0
+    ratio = small / large
+    if not (r < ratio * (1 - noise) and ratio * (1 + noise) < 1):
+        return 0.0
+    return (ratio - r) / (1 - r)
+
+
+def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per group (`group`: unit -> group), over `runs` (unit -> time, one per probe) of its units' summed
+    times: (the fastest, the spread (slowest - fastest) / fastest), inf where a unit did not run."""
+    totals: dict[str, list[float]] = {}
+    for timed in runs:
+        per: dict[str, float] = {}
+        for name, g in group.items():
+            per[g] = per.get(g, 0.0) + timed.get(name, math.inf)
+        for g, t in per.items():
+            totals.setdefault(g, []).append(t)
+    out = {}
+    for g, ts in totals.items():
+        lo, hi = min(ts), max(ts)
+        out[g] = (lo, (hi - lo) / lo if 0 < lo and math.isfinite(hi) else math.inf)
+    return out
 
 
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
@@ -193,7 +296,11 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         4. per unit of a probed layer: recomputed, the rest of its layer kept (the head recomputed
            in the first)                            what a recomputed unit still holds
         5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
-                                                    times and unmanaged bytes
+                                                    times and unmanaged bytes; per group, the fixed
+                                                    share of forward times (against 1 and 2's own
+                                                    times, their spread as the noise)
+
+    Then codec and host-copy bandwidths, on samples the size of the largest unit's saved bytes.
     """
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
@@ -212,12 +319,15 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     # every probe times each unit's forward; a unit's time is its fastest (the least disturbed)
     times: dict[str, float] = {u.name: math.inf for u in runtime.units}
     small_times = dict(times)
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}  # probes 1 and 2's unit times, by size
 
-    def probe(extra: dict, small_probe: bool = False) -> RuntimeStats:
+    def probe(extra: dict, small_probe: bool = False, pair: bool = False) -> RuntimeStats:
         runtime.set_plan({**gc_plan, **extra})
         timed = _unit_times(runtime, small[0] if small_probe else run, clock)
         best = small_times if small_probe else times
         best.update({n: min(best[n], t) for n, t in timed.items()})
+        if pair or small_probe:
+            runs[small_probe].append(timed)
         return runtime.stats()
 
     def kept(layer: int) -> dict:
@@ -225,8 +335,8 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
 
     held: dict[str, float] = {}
     try:
-        whole = probe({})
-        keeps = {layer: probe(kept(layer)) for layer in probed_layers}
+        whole = probe({}, pair=True)
+        keeps = {layer: probe(kept(layer), pair=True) for layer in probed_layers}
         if small is not None:
             small_whole = probe({}, small_probe=True)
             small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
@@ -265,9 +375,13 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         small_first = next(iter(small_keeps.values()), small_whole)
         saved_small = {group[u.name]: _unpinned(small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
                        for u in probed + heads}
+        # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
+        sized = [_group_times({u.name: group[u.name] for u in units}, runs[size]) for size in (True, False)]
         for u in units:
             u.saved_quadratic = quadratic_share(saved_small[group[u.name]], u.saved_bytes, r)
             u.forward_quadratic = quadratic_share(small_times[u.name], u.forward_s, r)
+            (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
+            u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
         unmanaged_small = max(keep_all(small_whole, small_keeps)
                               - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
         unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
@@ -275,10 +389,10 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         summed = sum(u.held_bytes if u.name in gc_plan else u.saved_bytes for u in units) + unmanaged
         saving = max((summed - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
-    # the codec on the activations' dtype and device (element_size 4: fp32, else bf16)
-    sample = torch.randn(1024, 1024, device=device, dtype=torch.float32 if element_size == 4 else torch.bfloat16)
-    nbytes = sample.numel() * sample.element_size()
-    codec = _throughput(clock, lambda: quantize(sample, "int8", 64).dequantize(), 2 * nbytes)
-    host = _throughput(clock, lambda: sample.to("cpu", copy=True), nbytes)
+    # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
+    dtype = torch.float32 if element_size == 4 else torch.bfloat16
+    nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
+    sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
+    codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
     return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
                      unmanaged_quadratic=unmanaged_q, **kwargs)

@@ -7,8 +7,9 @@ jobs that need GC. So the probe is a few whole sequences of a micro-batch (alway
 at most `probe_token_bound` tokens: the configured bound (hilore.profile_tokens) and 1/8 of the
 tokens a rank trains on in the step, so the ~18 probe passes cost about two steps' work. The cost
 table scales its figures from the probe's tokens (`CostTable.grow`; `half_probe` gives the second,
-smaller probe that measures what grows faster than linearly), and the risk model is calibrated
-against the probe's own exposure.
+smaller probe that measures what grows faster than linearly, and the fixed per-call part of unit
+times that a small probe on a GPU is bound by), and the risk model is calibrated against the
+probe's own exposure.
 
     lengths  = [180, 75, 240, 96]          # tokens per sequence
     priority = [0.0, 2.1, 0.4, 1.7]        # e.g. each sequence's exposure (calibration)
@@ -53,7 +54,8 @@ def probe_indices(lengths: Sequence[int], max_tokens: int, priority: Sequence[fl
 
 def half_probe(lengths: Sequence[int], index: Sequence[int]) -> list[int] | None:
     """Of the probe's sequences `index`, the first ones with at most half its tokens (the profile's
-    second, smaller probe, see costs.profile); None when that leaves nothing smaller (one sequence)."""
+    second, smaller probe, see costs.profile); None when that leaves nothing smaller (one sequence):
+    then every figure scales linearly."""
     tokens = sum(int(lengths[i]) for i in index)
     sub = [index[j] for j in probe_indices([lengths[i] for i in index], tokens // 2)]
     return sub if sum(int(lengths[i]) for i in sub) < tokens else None
