@@ -220,3 +220,11 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
     # without entropy the actor's exposure is summarize's
     c = exposure.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, actor_config())
     assert exposure.actor_exposure(c, mask, actor_config()).l2_of() == exposure.summarize(c, mask).l2_of()
+
+
+def test_aggregation_weights_are_made_on_the_mask_s_device():
+    """On a GPU the mask is a CUDA tensor: the weights are built beside it (a host tensor would meet a
+    device mask inside verl's agg_loss). The meta device stands in for an accelerator here."""
+    from hilore_verl.integration.loss import aggregation_weights
+
+    assert aggregation_weights(torch.ones(2, 3, device="meta"), "token-mean").device.type == "meta"

@@ -50,10 +50,11 @@ def loss_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
     # layout: every sequence = 1 prompt token + T response tokens; ppo_loss reads the log-prob of
     # response token t at flat position b * (T + 1) + t (the model output is shifted by one token)
     values = torch.cat([lp, lp.new_zeros(B, 1)], dim=1).reshape(-1)
+    device = lp.device  # built where the inputs live: no host-to-device copy per call
     fields = {
-        "prompts": torch.zeros(B, 1, dtype=torch.long),
-        "responses": torch.zeros(B, T, dtype=torch.long),
-        "attention_mask": torch.ones(B, T + 1, dtype=torch.long),
+        "prompts": torch.zeros(B, 1, dtype=torch.long, device=device),
+        "responses": torch.zeros(B, T, dtype=torch.long, device=device),
+        "attention_mask": torch.ones(B, T + 1, dtype=torch.long, device=device),
         "response_mask": response_mask.to(torch.long),
         "old_log_probs": old_log_prob.detach().float(),
         "advantages": advantages.detach().float(),
@@ -62,7 +63,7 @@ def loss_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
         fields["rollout_is_weights"] = rollout_is_weights.detach().float()
     if ref_log_prob is not None:
         fields["ref_log_prob"] = ref_log_prob.detach().float()
-    data = tu.get_tensordict({k: v.to(lp.device) for k, v in fields.items()})
+    data = tu.get_tensordict({k: v.to(device) for k, v in fields.items()})
     tu.assign_non_tensor(data, dp_size=int(info.get("dp_size", 1)), batch_num_tokens=info.get("batch_num_tokens"),
                          global_batch_size=info.get("global_batch_size"))
     config = _private_config(actor_config, info.get("loss_scale_factor"))
@@ -76,7 +77,7 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
     """w[b, t] = d agg_loss / d loss_mat[b, t]: how much one token's per-token loss counts (e.g. for entropy)."""
     from verl.trainer.ppo.core_algos import agg_loss
 
-    mat = torch.zeros(response_mask.shape, requires_grad=True)
+    mat = torch.zeros(response_mask.shape, device=response_mask.device, requires_grad=True)
     loss = agg_loss(mat, response_mask.float(), loss_agg_mode, **dict(global_batch_info or {}))
     (w,) = torch.autograd.grad(loss, mat)
     return w

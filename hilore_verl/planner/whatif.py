@@ -102,7 +102,7 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
                   controller.memory_budget / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
                   {n: o.memory / 2**20 for n, o in chosen.items()}, sum(o.time for o in recompute.values()),
                   sum(o.time for o in chosen.values()),
-                  sum(costs.grow(u.forward_s, u.forward_quadratic, tokens) for u in costs.units))
+                  sum(costs.forward(u, tokens) for u in costs.units))
 
 
 def parse_budget(text: str) -> BudgetConfig:
