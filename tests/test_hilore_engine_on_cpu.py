@@ -229,3 +229,17 @@ def test_verl_model_options_update_as_stock_verl(tmp_path, options):
         # the log-prob code's saves are the head's, fused or not (0.06-0.10 measured; 0.33-0.40 when
         # the logits it saves counted as outside units)
         assert r["outside_share"] <= 0.2, r["stats"]
+
+
+def test_start_up_checks_the_codec_launch_where_compression_can_run(monkeypatch):
+    import hilore_verl.kernels as kernels
+    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.integration.hilore_engine import check_codec_device
+
+    asked = []
+    monkeypatch.setattr(kernels, "triton_status", lambda device: asked.append(device) or (False, "no C compiler"))
+    cuda = torch.device("cuda", 0)
+    assert check_codec_device(HiLoReConfig(enable=True), cuda) is False and asked == [cuda]
+    assert check_codec_device(HiLoReConfig(enable=True, risk_budget=0.0), cuda) is True  # keep / recompute only
+    assert check_codec_device(HiLoReConfig(enable=True), torch.device("cpu")) is True
+    assert asked == [cuda]

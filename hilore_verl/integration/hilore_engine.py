@@ -47,6 +47,17 @@ from verl.workers.utils.padding import no_padding_2_padding
 logger = logging.getLogger("hilore_verl")
 
 
+def check_codec_device(config: HiLoReConfig, device: torch.device) -> bool:
+    """At start-up, not at the first compressed tensor: can Triton launch its codecs on `device`? When it
+    cannot, `kernels.triton_status` logs one line naming what is missing (C compiler, Python.h, libcuda)
+    and the torch reference codec runs on the device instead. True when nothing is in the way."""
+    if device.type != "cuda" or config.risk_budget <= 0:  # no Triton there, or nothing will be compressed
+        return True
+    from hilore_verl.kernels import triton_status
+
+    return triton_status(device)[0]
+
+
 def _padded(data, key):
     value = data[key]
     return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
@@ -171,6 +182,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             self.module, hilore_verl.RuntimeConfig(min_bytes=self.hilore.min_bytes, seed=self.hilore.seed))
         self.session = Session(self.hilore, self.runtime, VerlPasses(self),
                                collectives_for(self.get_data_parallel_group(), self.hilore.fault_timeout_s))
+        check_codec_device(self.hilore, compute_device())
 
     def _micro_batches(self, data):
         """The local micro-batches of a mini-batch, split exactly as verl's forward_backward_batch splits them."""
