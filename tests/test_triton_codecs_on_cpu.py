@@ -16,6 +16,7 @@ import triton.language as tl
 
 from hilore_verl.kernels import FORMATS, GROUP_SIZES, reference
 from hilore_verl.kernels.triton_codec import _store_from_f32
+from hilore_verl.kernels.triton_check import same_bits
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1, set by conftest)")
@@ -25,15 +26,6 @@ SHAPES = [(37, 128), (2, 3, 256), (1, 384)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_floating_point():
-        nan = a.isnan()
-        if not torch.equal(nan, b.isnan()):
-            return False
-        a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
-        view = {4: torch.int32, 2: torch.int16}[a.element_size()]
-        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
-    return torch.equal(a, b)
 
 
 def _assert_same(out, ref, y, what):

@@ -17,15 +17,12 @@ import json
 import sys
 import time
 
+from hilore_verl.host_memory import status_kib
+
 FIRST_STEP = "--first-step"
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+_status_kib = status_kib
 
 
 def measure(method: str, config_json: str, state_path: str | None) -> dict:

@@ -18,18 +18,11 @@ import time
 import torch
 
 import hilore_verl
+from hilore_verl import host_memory
 from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, loss_of, make_optimizer, probe_batch,
                                         static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.session import Session
-
-
-def _meminfo_available() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
 def _positions_in_sequence(target_seq: torch.Tensor) -> torch.Tensor:
@@ -106,7 +99,7 @@ class BenchPasses:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return float(free + torch.cuda.memory_reserved(device))
-        return _meminfo_available()
+        return host_memory.available_bytes()
 
 
 class SessionMethod:
