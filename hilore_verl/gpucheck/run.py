@@ -18,7 +18,7 @@ import time
 from hilore_verl.gpucheck.report import markdown
 
 # stage -> (time limit in seconds on a GPU, with --device cpu --tiny)
-STAGES = {"environment": (30, 120), "codecs": (60, 180), "runtime": (60, 180), "model": (270, 420),
+STAGES = {"environment": (30, 120), "codecs": (90, 180), "runtime": (60, 180), "model": (255, 420),
           "profile": (45, 120)}
 TOTAL_S = 480  # the whole check on a GPU: 8 minutes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone or site-packages
@@ -29,8 +29,8 @@ def stage_env(device: str) -> dict[str, str]:
     Triton's interpreter; on CUDA deterministic cuBLAS (the bitwise checks need it)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1" if device == "cpu" else env.get("OMP_NUM_THREADS", "4"))
     if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["TRITON_INTERPRET"] = "1"
     else:
