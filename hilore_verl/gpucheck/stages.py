@@ -283,7 +283,9 @@ def _offload_steps(report, ctx, rt, model, vocab, device) -> None:
 
 
 def _host_syncs(report, ctx, rt, model, plain, ids) -> None:
-    """Device-to-host synchronisations in one forward + backward (torch's sync debug mode; CUDA only)."""
+    """Device-to-host synchronisations in one forward + backward: what torch's sync debug mode reports
+    (stream / device synchronisations, blocking copies), plus the runtime's own waits on events, which
+    that mode cannot see (`Runtime.host_waits`). CUDA only."""
     from hilore_verl import Plan
 
     if ctx.device != "cuda":
@@ -299,6 +301,7 @@ def _host_syncs(report, ctx, rt, model, plain, ids) -> None:
             rt.set_plan(plan)
         _grads(module, ids)  # warm-up outside the count
         torch.cuda.synchronize()
+        waits = rt.host_waits
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -306,7 +309,7 @@ def _host_syncs(report, ctx, rt, model, plain, ids) -> None:
                 _grads(module, ids)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts[label] = sum("synchroniz" in str(w.message) for w in caught)
+        counts[label] = sum("synchroniz" in str(w.message) for w in caught) + rt.host_waits - waits
     report.figure("host_syncs_per_step", counts)
     extra = max(counts[k] - counts["plain model"] for k in counts)
     report.check("the runtime adds no host synchronisation to a step", extra <= 0, str(counts))
