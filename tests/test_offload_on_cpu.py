@@ -227,3 +227,42 @@ def test_deferred_check_corrects_a_tensor_held_only_for_a_recompute(monkeypatch)
     grads = _grads(model, loss)
     for name, g in immediate.items():
         torch.testing.assert_close(grads[name], g, rtol=0, atol=0, equal_nan=True)
+
+
+def test_landed_checks_let_their_exact_copies_go_by_the_forward_s_end(monkeypatch):
+    """A device that keeps up: every check has landed by the end of the unit that made it, so no exact
+    copy beside a payload lives into the next units (nor through the head and loss)."""
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = attach(model)
+    rt.set_plan(IN_PLACE)
+    log, holders = _counting_setup(monkeypatch, lagging=False)
+    loss = _forward_loss(model)  # its graph holds the saved tensors
+    deferred = [h() for h in holders if h() is not None and isinstance(h().held, Unchecked)]
+    assert deferred and all((h.held.tensor is None) != (h.held.payload is None) for h in deferred)
+    assert rt._pending_exact == 0 and log["syncs"] == 0 and rt.host_waits == 0
+    loss.backward()
+
+
+def test_pending_exact_copies_are_capped_by_waiting_for_the_oldest(monkeypatch):
+    """A device far behind the host: once the exact copies held beside payloads pass the cap, the oldest
+    check is waited for (counted in host_waits), so they never grow past the cap by more than one tensor."""
+    model = build_tiny_model("qwen2", seed=0).train()
+    rt = attach(model)
+    rt.set_plan(IN_PLACE)
+    immediate = _grads(model, _forward_loss(model))
+    cap = 64 * 1024
+    monkeypatch.setattr(saving, "PENDING_EXACT_BYTES", cap)
+    log, _ = _counting_setup(monkeypatch, lagging=True)
+    most = []
+    settle = type(rt)._settle_checks
+
+    def watched(self, wait):
+        settle(self, wait)
+        most.append(self._pending_exact)
+
+    monkeypatch.setattr(type(rt), "_settle_checks", watched)
+    loss = _forward_loss(model)
+    assert log["syncs"] > 0 and rt.host_waits == log["syncs"]
+    assert most and max(most) <= cap  # after every settling pass; a new save adds at most one tensor
+    grads = _grads(model, loss)
+    assert all(torch.equal(grads[n], g) for n, g in immediate.items())

@@ -217,7 +217,8 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
     """`kernels.quantize` for a CUDA tensor: the Triton kernels where they run, else the reference."""
     if triton_status(x.device)[0]:
         try:
-            return triton_codec.quantize(x, fmt, group_size, stochastic, seed)
+            with _on(x.device):  # Triton launches on the current device and its stream
+                return triton_codec.quantize(x, fmt, group_size, stochastic, seed)
         except triton_codec.LaunchError as e:
             mark_failed(x.device, e)
     return reference.quantize(x, fmt, group_size, stochastic, seed)
@@ -226,7 +227,8 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     if triton_status(q.codes.device)[0]:
         try:
-            return triton_codec.dequantize(q)
+            with _on(q.codes.device):
+                return triton_codec.dequantize(q)
         except triton_codec.LaunchError as e:
             mark_failed(q.codes.device, e)
     return reference.dequantize(q)

@@ -37,8 +37,8 @@ class OffloadPool:
     def __init__(self, device: torch.device):
         self.device = device
         self.dm = torch.get_device_module(device.type)
-        self.stream = self.dm.Stream()
         self.pinned = device.type == "cuda"
+        self.stream = self.dm.Stream(device) if self.pinned else self.dm.Stream()  # on the payloads' device
         self.free: dict[int, deque[tuple[int, torch.Tensor, object]]] = {}  # class -> (stamp, buffer, event)
         self.allocated = 0  # buffers ever allocated (reuse keeps this flat across steps)
         self.in_use_bytes = 0  # buffers handed out and not released
@@ -91,7 +91,7 @@ class OffloadPool:
         buf = self.acquire(at + scales.nbytes)
         host_codes = buf[:codes.nbytes].view(codes.dtype).view(codes.shape)
         host_scales = buf[at:at + scales.nbytes].view(scales.dtype).view(scales.shape)
-        compute = self.dm.current_stream()
+        compute = self.dm.current_stream(self.device)
         with self.dm.stream(self.stream):
             self.stream.wait_stream(compute)  # the payload is written on the compute stream
             host_codes.copy_(codes, non_blocking=True)
@@ -139,10 +139,11 @@ class Offloaded:
 
     def get(self) -> torch.Tensor:
         self.prefetch()
-        self.pool.dm.current_stream().wait_event(self.fetch_done)
+        compute = self.pool.dm.current_stream(self.pool.device)
+        compute.wait_event(self.fetch_done)
         if self.pool.pinned:
-            self.fetched.codes.record_stream(self.pool.dm.current_stream())
-            self.fetched.scales.record_stream(self.pool.dm.current_stream())
+            self.fetched.codes.record_stream(compute)
+            self.fetched.scales.record_stream(compute)
         previous = self.previous() if self.previous is not None else None
         if previous is not None:
             previous.prefetch()  # backward runs in reverse: the payload offloaded before this one is next

@@ -156,16 +156,26 @@ class Checked:
         return t
 
 
+class WaitCount:
+    """How often settling a check had to wait for the device (a host synchronisation); none when every
+    check's copy had landed by the time it was read."""
+
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
 class FiniteCheck:
     """Whether a payload's groups held inf / nan, on its way to the host: a host scalar filled by a
     non-blocking copy, and the event recorded after it. Reading it never waits for the device unless
     asked to (`settle(wait=True)`). Once settled it corrects the accounting (`charges`: where the
     payload's bytes were counted) and tells its holder, if still alive, which of the two to keep."""
 
-    __slots__ = ("flag", "done", "delta", "charges", "holder", "flagged")
+    __slots__ = ("flag", "done", "delta", "charges", "holder", "flagged", "waits")
 
-    def __init__(self, flag: torch.Tensor, done, delta: int, holder: "Unchecked"):
-        self.flag, self.done = flag, done
+    def __init__(self, flag: torch.Tensor, done, delta: int, holder: "Unchecked", waits: WaitCount):
+        self.flag, self.done, self.waits = flag, done, waits
         self.delta = delta  # bytes the exact tensor takes beyond its payload
         self.charges: list = []  # (StepStats, charge)
         self.holder = weakref.ref(holder)
@@ -178,6 +188,7 @@ class FiniteCheck:
         if not self.done.query():
             if not wait:
                 return False
+            self.waits.n += 1
             self.done.synchronize()
         self.flagged = bool(self.flag)  # host memory, written by the completed copy
         self.flag = self.done = None
@@ -202,10 +213,10 @@ class Unchecked:
 
     __slots__ = ("tensor", "payload", "check", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, payload: Any, flag: torch.Tensor, done):
+    def __init__(self, t: torch.Tensor, payload: Any, flag: torch.Tensor, done, waits: WaitCount):
         self.tensor: torch.Tensor | None = t.detach()
         self.payload = payload  # Compressed or Offloaded
-        self.check = FiniteCheck(flag, done, t.numel() * t.element_size() - payload.nbytes, self)
+        self.check = FiniteCheck(flag, done, t.numel() * t.element_size() - payload.nbytes, self, waits)
 
     def charge(self, stats: Any, charge: Any) -> None:
         """Where the payload's bytes were counted: corrected there if the check finds inf / nan."""

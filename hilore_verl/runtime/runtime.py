@@ -32,7 +32,8 @@ from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
-from hilore_verl.runtime.records import CallRecord, Dropped, LiveKeyMap, Region, map_tensors, storage_id, tensor_leaves
+from hilore_verl.runtime.records import (CallRecord, Dropped, LiveKeyMap, Region, WaitCount, map_tensors, storage_id,
+                                         tensor_leaves)
 from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensorHooks, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
@@ -105,6 +106,8 @@ class Runtime(SavedTensorHooks):
         self._rehooked = False  # unit hooks re-installed for a recompute after detach
         self._pools: dict[torch.device, OffloadPool] = {}
         self._checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (records.FiniteCheck)
+        self._pending_exact = 0  # bytes their exact copies hold beyond the payloads
+        self._check_waits = WaitCount()
         self._forwards = 0  # grad-enabled forwards so far: part of each stochastic-rounding seed
         self._compressions = 0
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
@@ -154,6 +157,12 @@ class Runtime(SavedTensorHooks):
     @forwards.setter
     def forwards(self, value: int) -> None:
         self._forwards = int(value)
+
+    @property
+    def host_waits(self) -> int:
+        """Times settling an inf / nan check waited for the device so far (0 on the CPU, where checks are
+        read at once; on a GPU, waits mean the checks' copies had not landed when they were needed)."""
+        return self._check_waits.n
 
     def stats(self) -> RuntimeStats:
         """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored
@@ -230,6 +239,8 @@ class Runtime(SavedTensorHooks):
 
     def _close_forward(self, merge: bool) -> None:
         fwd = self._fwd
+        if self._checks:
+            self._settle_checks(wait=False)
         try:
             summary = fwd.stats.summary(fwd.plans)  # now, while the held tensors are alive
             self._last = self._last.merged(summary) if merge else summary
@@ -279,6 +290,8 @@ class Runtime(SavedTensorHooks):
             self._replay.post(output)
         elif self._fwd is not None:
             self._exit(module, output)
+            if self._checks:  # exact copies whose checks have landed are let go at each unit's end
+                self._settle_checks(wait=False)
 
     def _enter(self, fn, unit: RecoveryUnit, args, kwargs) -> None:
         """Open a call frame of `unit` for `fn` (a unit module, or a function passed to `call`)."""

@@ -25,6 +25,8 @@ from hilore_verl.runtime.plan import Mode, UnitPlan
 from hilore_verl.runtime.records import Checked, Compressed, Kept, Unchecked, VersionWatch, geometry_of, storage_key
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# exact copies held beside their payloads while inf / nan checks are on their way to the host, at most
+PENDING_EXACT_BYTES = 256 * 2**20
 PAD = 128  # a statistic's token dim may be padded by less than this (SDPA's efficient kernel: to 32)
 
 
@@ -219,17 +221,21 @@ class SavedTensorHooks:
         """`t` and its payload `stored`, held until the payload's inf / nan check reaches the host."""
         flag = torch.empty((), dtype=torch.bool, pin_memory=t.device.type == "cuda")
         flag.copy_(payload.any_nonfinite(), non_blocking=True)
-        done = torch.get_device_module(t.device.type).Event()
-        done.record()
-        held = Unchecked(t, stored, flag, done)
+        dm = torch.get_device_module(t.device.type)
+        done = dm.Event()
+        done.record(dm.current_stream(t.device))  # after the copy, on the stream that queued it
+        held = Unchecked(t, stored, flag, done, self._check_waits)
         self._checks.append(held.check)
+        self._pending_exact += held.check.delta
         return held
 
     def _settle_checks(self, wait: bool) -> None:
-        """Settle pending checks in order, up to the first whose copy has not landed (all, if `wait`)."""
+        """Settle pending checks in order, up to the first whose copy has not landed (all, if `wait`).
+        While the exact copies they hold beyond their payloads pass PENDING_EXACT_BYTES, the oldest is
+        waited for: the host is then that far ahead of the device, so the wait leaves it work queued."""
         checks = self._checks
-        while checks and checks[0].settle(wait):
-            checks.popleft()
+        while checks and checks[0].settle(wait or self._pending_exact > PENDING_EXACT_BYTES):
+            self._pending_exact -= checks.popleft().delta
 
     def _settled_stats(self):
         """The last forward's stats with every pending check settled and the offload pools' bytes now."""
