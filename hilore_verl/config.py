@@ -59,6 +59,11 @@ class HiLoReConfig:
     device only), so that a fault inside the optimizer step is undone (an out-of-memory error then
     retried by running the mini-batch again). False: such a fault stops training with StepFailed
     (resume from a checkpoint)."""
+    skip_zero_exposure: bool = True
+    """Leave out of the actor's forward and backward every sequence whose loss term is zero for any log-probs
+    (all advantages 0 under a loss proportional to the advantage, no KL loss, no entropy bonus); the loss
+    normalisation stays stock verl's, so the update is unchanged up to floating-point reordering. Under a
+    loss it cannot prove safe it trains without skipping and says so once."""
     fault_timeout_s: float = 60.0
     """After an out-of-memory error, how long a rank waits for the others to report the same fault
     before it stops training (a fault on some ranks only cannot be retried)."""
@@ -85,6 +90,7 @@ class HiLoReConfig:
         _check_type("offload", self.offload, bool)
         _check_type("stochastic_rounding", self.stochastic_rounding, bool)
         _check_type("step_snapshot", self.step_snapshot, bool)
+        _check_type("skip_zero_exposure", self.skip_zero_exposure, bool)
         _check_number("fault_timeout_s", self.fault_timeout_s, "> 0", lambda v: v > 0)
         _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
         _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)

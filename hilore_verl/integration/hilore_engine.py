@@ -29,19 +29,21 @@ import torch
 import torch.distributed as dist
 
 import hilore_verl
-from hilore_verl import exposure
+from hilore_verl import exposure, skip
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor_config import BACKEND
 from hilore_verl.integration.collectives import collectives_for
 from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.device_memory import available_bytes, compute_device
+from hilore_verl.integration.loss import batch_skip_refusal, skip_refusal
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_torch_device
+from verl.utils.device import get_device_id, get_torch_device
+from verl.utils.seqlen_balancing import rearrange_micro_batches
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl.workers.engine.utils import prepare_micro_batches
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 from verl.workers.utils.padding import no_padding_2_padding
 
 logger = logging.getLogger("hilore_verl")
@@ -63,14 +65,18 @@ def _padded(data, key):
     return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
 
 
-def _sequence_lengths(data) -> list[int]:
-    """Tokens per sequence of a micro-batch (nested: its offsets; padded: its attention mask)."""
+def _sequence_lengths_tensor(data) -> torch.Tensor:
+    """Tokens per sequence of a batch (nested: its offsets; padded: its attention mask), unread."""
     ids = data["input_ids"]
     if ids.is_nested:
-        return ids.offsets().diff().tolist()
+        return ids.offsets().diff()
     if "attention_mask" in data:
-        return data["attention_mask"].sum(-1).tolist()
-    return [ids.shape[-1]] * ids.shape[0]
+        return data["attention_mask"].sum(-1)
+    return torch.full((ids.shape[0],), ids.shape[-1])
+
+
+def _sequence_lengths(data) -> list[int]:
+    return _sequence_lengths_tensor(data).tolist()
 
 
 class VerlPasses:
@@ -171,6 +177,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.session: Session | None = None
         self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
         self._taken: StepSnapshot | None = None  # the snapshot of the mini-batch in train_batch now
+        self._refusals: set[str] = set()  # why zero-exposure sequences were not skipped, each said once
 
     @property
     def controller(self):
@@ -183,18 +190,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.session = Session(self.hilore, self.runtime, VerlPasses(self),
                                collectives_for(self.get_data_parallel_group(), self.hilore.fault_timeout_s))
         check_codec_device(self.hilore, compute_device())
-
-    def _micro_batches(self, data):
-        """The local micro-batches of a mini-batch, split exactly as verl's forward_backward_batch splits them."""
-        data = data.clone()
-        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
-        tokens = data["loss_mask"].sum().to(torch.float32)
-        if dist.is_initialized():
-            dist.all_reduce(tokens, group=self.get_data_parallel_group())
-        tu.assign_non_tensor(data, batch_num_tokens=int(tokens.item()), dp_size=self.get_data_parallel_size())
-        micro_batches, _ = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
-                                                 same_micro_num_in_dp=True)
-        return micro_batches
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
@@ -273,20 +268,94 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def train_batch(self, data, loss_function):
         """One mini-batch through the session (session.py); a fault leaves the engine as before the
         call, or is retried exactly."""
-        if self.actor_config is None:  # the actor worker binds ppo_loss to the actor config
-            self.actor_config = getattr(loss_function, "keywords", {}).get("config")
+        bound = getattr(loss_function, "keywords", {}).get("config")  # the actor worker binds ppo_loss to it
+        self.actor_config = bound if bound is not None else self.actor_config
         self.session.passes.loss_function = loss_function
         self._taken = self._take_snapshot()  # before the first forward: overlapped with the passes
         try:
             self._check_inputs(data)
-            out, metrics = self.session.train(self._micro_batches(data),
-                                              lambda: super(HiLoReFSDPEngine, self).train_batch(data, loss_function),
+            micro_batches, indices, layout = self._split(data, loss_function)
+            out, metrics = self.session.train(micro_batches,
+                                              lambda: self._train_step(data, micro_batches, indices, loss_function),
                                               lambda mb: int(mb["input_ids"].values().numel()))
         finally:
             self._taken = None
         if self.is_mp_src_rank_with_outputs():
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
+            metrics.update(layout.metrics() if layout is not None else {})
             out["metrics"].update({k: [v] for k, v in metrics.items()})
+        return out
+
+    # ------------------------------------------------------------------ micro-batches
+    def _split(self, data, loss_function):
+        """verl's loss normalisation over the whole mini-batch and its micro-batches (forward_backward_batch's
+        split), with the sequences that have no loss term left out (skip.py) where that is exact.
+        Returns (micro-batches, verl's reorder indices or None, the skip's Layout or None)."""
+        tu.maybe_fix_3d_position_ids(data)  # what BaseEngine.train_batch does first
+        group = self.get_data_parallel_group()
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        tokens = data["loss_mask"].sum().to(get_device_id())  # over every sequence, as stock verl counts them
+        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
+        if self._skips(data, loss_function):
+            zero, lengths = self._zero_exposure(data)
+            layout = skip.form(zero, lengths, lambda kept, at_least: self._split_kept(data, kept, at_least),
+                               self.session.collectives)
+            if layout is not None:
+                return [tu.index_select_tensor_dict(data, i) for i in layout.micro_batches], None, layout
+            micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+            return micro_batches, indices, skip.nothing_skipped(lengths, self.session.collectives)
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        return micro_batches, indices, None
+
+    def _skips(self, data, loss_function) -> bool:
+        """Whether this mini-batch's zero-exposure sequences may be left out; a refusal is said once."""
+        if not self.hilore.skip_zero_exposure:
+            return False
+        reason = skip_refusal(self.actor_config, loss_function) or batch_skip_refusal(self.actor_config, data)
+        if reason is not None and reason not in self._refusals:
+            self._refusals.add(reason)
+            logger.warning("hilore-verl: hilore.skip_zero_exposure is on, but every sequence is trained: %s", reason)
+        return reason is None
+
+    def _zero_exposure(self, data) -> tuple[list[bool], list[int]]:
+        """Per sequence: no advantage on any response token (read with the token counts, in one transfer)."""
+        advantages, mask = _padded(data, "advantages"), _padded(data, "response_mask").bool()
+        moved = ((advantages != 0) & mask).any(-1)
+        lengths = torch.as_tensor(_sequence_lengths_tensor(data), device=moved.device)
+        both = torch.stack([moved.to(torch.long), lengths.to(torch.long)]).tolist()
+        return [not m for m in both[0]], both[1]
+
+    def _split_kept(self, data, kept: list[int], at_least: int) -> list[list[int]]:
+        """verl's split of the sequences `kept` on this rank alone, into at least `at_least` micro-batches."""
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            return skip.chunks(kept, int(data["micro_batch_size_per_gpu"]), at_least)
+        sub = tu.index_select_tensor_dict(data, kept)
+        sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+        _, parts = rearrange_micro_batches(sub, max_token_len=data["max_token_len_per_gpu"] * sp, dp_group=None,
+                                           same_micro_num_in_dp=False, min_num_micro_batch=at_least)
+        return [[kept[j] for j in part] for part in parts]
+
+    def _train_step(self, data, micro_batches, indices, loss_function):
+        """verl's train_batch (BaseEngine.train_batch around FSDPEngine.forward_backward_batch's loop) over
+        the micro-batches `_split` formed: zero grads, forward + backward each under verl's gradient-sync
+        context, the optimizer step."""
+        self.optimizer_zero_grad()
+        keep_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        scaler = getattr(self, "scaler", None)
+        outputs = []
+        for i, micro_batch in enumerate(micro_batches):
+            with (self._gradient_sync_context(is_last_micro_batch=i == len(micro_batches) - 1),
+                  torch.profiler.record_function(f"micro_batch{i}")):
+                loss, meta = self.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if not keep_output:
+                    meta.pop("model_output", None)
+            outputs.append(meta)
+        out = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        grad_norm = self.optimizer_step()
+        if self.is_mp_src_rank_with_outputs():
+            out["metrics"]["grad_norm"] = grad_norm
         return out
 
     def _take_snapshot(self) -> StepSnapshot | None:

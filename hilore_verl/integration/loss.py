@@ -81,3 +81,45 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
     loss = agg_loss(mat, response_mask.float(), loss_agg_mode, **dict(global_batch_info or {}))
     (w,) = torch.autograd.grad(loss, mat)
     return w
+
+
+# Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
+# sequence's) log-probs, with no term across sequences: a sequence whose advantages are all 0 has a zero
+# loss term for any log-probs. Verified against ppo_loss by tests/test_skip_on_cpu.py. Not here, so never
+# skipped: clip_cov / kl_cov (tokens chosen by covariance over the batch), geo_mean (measured coupled over
+# the micro-batch), dro (a log-ratio penalty without the advantage), bypass_mode (IS weights and rejection
+# masks computed in the loss, optionally normalised over the batch), and any mode registered later.
+ADVANTAGE_PROPORTIONAL_MODES = frozenset({"vanilla", "cispo", "dppo_kl", "dppo_tv", "gpg", "gspo", "sapo"})
+
+
+def skip_refusal(actor_config: Any, loss_function: Any) -> str | None:
+    """Why a zero-advantage sequence cannot be left out of the actor update under this loss (None: it can,
+    and the update is unchanged as long as the mini-batch's normalisation is stock verl's)."""
+    func = getattr(loss_function, "func", None)
+    if func is not ppo_loss or actor_config is None:
+        return "the loss function is not verl's ppo_loss bound to an actor config"
+    mode = (actor_config.policy_loss or {}).get("loss_mode", "vanilla")
+    if mode not in ADVANTAGE_PROPORTIONAL_MODES:
+        return (f"policy_loss.loss_mode={mode} is not one whose loss is proportional to the advantage "
+                f"({', '.join(sorted(ADVANTAGE_PROPORTIONAL_MODES))})")
+    if getattr(actor_config, "use_kl_loss", False) and getattr(actor_config, "kl_loss_coef", 0.0):
+        return "use_kl_loss=true: the KL loss moves every sequence, whatever its advantage"
+    if getattr(actor_config, "entropy_coeff", 0.0):
+        return "entropy_coeff != 0: the entropy bonus moves every sequence, whatever its advantage"
+    if actor_config.loss_agg_mode == "seq-mean-token-sum-norm" and actor_config.loss_scale_factor is None:
+        return ("loss_agg_mode=seq-mean-token-sum-norm without loss_scale_factor divides each micro-batch by its "
+                "own padded response length, which depends on which sequences share it")
+    return None
+
+
+def batch_skip_refusal(actor_config: Any, data) -> str | None:
+    """Why this mini-batch's zero-advantage sequences cannot be left out (None: they can)."""
+    if tu.get_non_tensor_data(data=data, key="return_model_output", default=False):
+        return "the caller asked for every sequence's model output (return_model_output)"
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return "force_group_size != 1 keeps sequences together in micro-batches"
+    if actor_config.loss_agg_mode.startswith("seq-mean") and tu.get_non_tensor_data(
+            data=data, key="global_batch_size", default=None) is None:
+        return ("a sequence-mean loss without global_batch_size is divided by each micro-batch's own sequence "
+                "count, which depends on which sequences share it")
+    return None

@@ -1,0 +1,88 @@
+"""Sequences the actor update leaves out, and the micro-batches of the rest.
+
+A sequence whose loss term is zero for any log-probs (in GRPO: every advantage 0 under a loss whose
+per-token term is proportional to the advantage, no KL loss, no entropy bonus; the framework decides
+which, e.g. `integration/loss.py: skip_refusal`) adds exactly nothing to the gradient: its forward
+and backward can be left out. What normalises the loss (token and sequence counts of the whole
+mini-batch) is left to the framework, which keeps it as computed over every sequence.
+
+Data-parallel ranks must still run the same number of micro-batches (each forward and backward pairs
+FSDP collectives with the other ranks'). `form` splits this rank's kept sequences with the framework's
+own split, agrees on the largest count M over ranks, re-splits a rank that has fewer micro-batches
+into min(M, kept) and pads what is still missing with filler micro-batches: one skipped sequence
+each (this rank's shortest), whose loss term is zero, so the update is unchanged. Free of verl and
+torch.distributed: reductions go through the session's `Collectives`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+# split(kept sequence indices, at least this many micro-batches) -> micro-batches (lists of indices)
+Split = Callable[[list[int], int], list[list[int]]]
+
+
+@dataclass
+class Layout:
+    """This rank's micro-batches (sequence indices into its mini-batch) and the skip over all ranks."""
+
+    micro_batches: list[list[int]]
+    fillers: int  # trailing micro-batches of one skipped sequence each, on this rank
+    sequences: int  # sequences skipped, all ranks
+    tokens: int  # their tokens
+    total_sequences: int  # sequences in the mini-batch, all ranks
+    total_tokens: int
+
+    def metrics(self) -> dict[str, float]:
+        return {"hilore/skip/sequences": float(self.sequences), "hilore/skip/tokens": float(self.tokens),
+                "hilore/skip/token_share": self.tokens / self.total_tokens if self.total_tokens else 0.0,
+                "hilore/skip/filler_micro_batches": float(self.fillers)}
+
+
+def nothing_skipped(lengths: Sequence[int], collectives) -> Layout:
+    """The layout's figures when nothing is skipped (the framework's own micro-batches)."""
+    n, tokens = collectives.reduce([float(len(lengths)), float(sum(lengths))], "sum")
+    return Layout([], 0, 0, 0, int(n), int(tokens))
+
+
+def form(zero: Sequence[bool], lengths: Sequence[int], split: Split, collectives) -> Layout | None:
+    """The micro-batches of this rank's sequences with `zero` (no loss term) left out; None when no rank
+    leaves anything out, or a rank could not pair its micro-batches (then the framework splits as always)."""
+    kept = [i for i, z in enumerate(zero) if not z]
+    skipped = sorted((i for i, z in enumerate(zero) if z), key=lambda i: lengths[i])
+    figures = [float(len(skipped)), float(sum(lengths[i] for i in skipped)), float(len(zero)), float(sum(lengths))]
+    s_seq, s_tok, n_seq, n_tok = collectives.reduce(figures, "sum")
+    if s_seq == 0:
+        return None
+    parts = split(kept, 1) if kept else []
+    target = max(1, int(collectives.reduce([float(len(parts))], "max")[0]))
+    while True:
+        if len(parts) < min(target, len(kept)):
+            parts = split(kept, min(target, len(kept)))  # balanced over as many as the others run
+        short = len(parts) < target and not skipped  # short of the count, and no skipped sequence to fill with
+        high, any_short = collectives.reduce([float(len(parts)), float(short)], "max")
+        if any_short:  # a rank has too few sequences to pair its collectives: no skip in this mini-batch
+            return None
+        if int(high) <= target:
+            break
+        target = int(high)  # a re-split grew past the count (a token limit): agree again
+    fillers = target - len(parts)
+    micro_batches = [list(p) for p in parts] + [[skipped[0]] for _ in range(fillers)]
+    return Layout(micro_batches, fillers, int(s_seq), int(s_tok), int(n_seq), int(n_tok))
+
+
+def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
+    """`index` in order, in max(ceil(len / size), at_least) near-equal parts of at most `size` (at most
+    len(index) parts): the split of a fixed micro-batch size."""
+    count = min(len(index), max(-(-len(index) // size), at_least))
+    base, extra = divmod(len(index), count)
+    out, start = [], 0
+    for k in range(count):
+        end = start + base + (k < extra)
+        out.append(index[start:end])
+        start = end
+    return out
+
+
+__all__ = ["Layout", "Split", "chunks", "form", "nothing_skipped"]
