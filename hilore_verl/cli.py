@@ -98,11 +98,13 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
                          rounds=args.rounds, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
-                         profile_tokens=args.profile_tokens)
+                         profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
+                         kl_coef=args.kl_coef)
     shape = (f"model {config.model} (random weights)" if config.model else
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
-          f"responses up to {config.max_response_len} tokens", flush=True)
+          f"responses up to {config.max_response_len} tokens; {100 * config.zero_advantage_share:g}% of groups at "
+          f"zero advantage; KL loss coefficient {config.kl_coef:g}", flush=True)
     from hilore_verl.bench.run import WorkloadRefused
 
     try:
@@ -203,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--groups", type=_positive, default=4, help="prompts per mini-batch (default 4)")
     bench.add_argument("--group-size", type=_positive, default=8, help="responses per prompt (default 8)")
     bench.add_argument("--response-len", type=_positive, default=192, help="longest response (default 192)")
+    bench.add_argument("--zero-advantage-share", type=_share, default=0.5,
+                       help="share of groups whose responses all get one reward, in [0, 1) (default 0.5)")
+    bench.add_argument("--kl-coef", type=_number(0.0, inclusive=True), default=0.0,
+                       help="KL loss coefficient (k1 estimator: kl_coef / tokens on every response token's "
+                            "coefficient; 0, the default: no KL loss)")
     bench.add_argument("--no-pack", action="store_true",
                        help="left-right padded sequences instead of one packed row (refused above 20%% padding)")
     bench.add_argument("--no-autocast", action="store_true",
@@ -247,6 +254,16 @@ def _positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
     return n
+
+
+def _share(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1), got {value!r}")
+    return x
 
 
 def _seed(value: str) -> int:

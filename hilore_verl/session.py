@@ -68,6 +68,7 @@ class Collectives(Protocol):
     world_size: int
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]: ...  # op: sum, max, min
+    def gather(self, values: Sequence[float]) -> list[list[float]]: ...  # every rank's values, in rank order
     def sum_(self, t: torch.Tensor) -> None: ...  # in place (the audit's float64 sums)
     def every_rank_failed(self) -> bool: ...  # called by a failing rank: did every rank fail here?
 
@@ -79,6 +80,9 @@ class SingleProcess:
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         return [float(v) for v in values]
+
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        return [[float(v) for v in values]]
 
     def sum_(self, t: torch.Tensor) -> None:
         pass
@@ -247,13 +251,13 @@ class Session:
         """Every micro-batch's predicted exposure (on-policy point) and tokens, reduced over ranks
         (sum of squares, max) so that micro-batch i gets the same plan on every rank."""
         n = len(micro_batches)
-        high, low = self.collectives.reduce([float(n), -float(n)], "max")
-        if high != -low:
+        if len({row[0] for row in self.collectives.gather([float(n)])}) != 1:
             raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
                              "verl splits them with same_micro_num_in_dp=True")
         exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
-        squares = self.collectives.reduce([e ** 2 for e in exposures], "sum")
-        counts = self.collectives.reduce([float(tokens(mb)) for mb in micro_batches], "max")
+        rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches])
+        squares = [sum(col) for col in zip(*(row[:n] for row in rows))]
+        counts = [max(col) for col in zip(*(row[n:] for row in rows))]
         self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts])
 
     def _audit(self, micro_batches):

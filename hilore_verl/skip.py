@@ -27,7 +27,7 @@ Split = Callable[[list[int], int], list[list[int]]]
 class Layout:
     """This rank's micro-batches (sequence indices into its mini-batch) and the skip over all ranks."""
 
-    micro_batches: list[list[int]]
+    micro_batches: list[list[int]] | None  # None: nothing left out (the framework's own split)
     fillers: int  # trailing micro-batches of one skipped sequence each, on this rank
     sequences: int  # sequences skipped, all ranks
     tokens: int  # their tokens
@@ -40,30 +40,27 @@ class Layout:
                 "hilore/skip/filler_micro_batches": float(self.fillers)}
 
 
-def nothing_skipped(lengths: Sequence[int], collectives) -> Layout:
-    """The layout's figures when nothing is skipped (the framework's own micro-batches)."""
-    n, tokens = collectives.reduce([float(len(lengths)), float(sum(lengths))], "sum")
-    return Layout([], 0, 0, 0, int(n), int(tokens))
-
-
-def form(zero: Sequence[bool], lengths: Sequence[int], split: Split, collectives) -> Layout | None:
-    """The micro-batches of this rank's sequences with `zero` (no loss term) left out; None when no rank
-    leaves anything out, or a rank could not pair its micro-batches (then the framework splits as always)."""
+def form(zero: Sequence[bool], lengths: Sequence[int], split: Split, collectives) -> Layout:
+    """The micro-batches of this rank's sequences with `zero` (no loss term) left out. `micro_batches` is
+    None when no rank leaves anything out, or a rank could not pair its micro-batches: the framework
+    then splits every sequence as always (and nothing is skipped)."""
     kept = [i for i, z in enumerate(zero) if not z]
     skipped = sorted((i for i, z in enumerate(zero) if z), key=lambda i: lengths[i])
-    figures = [float(len(skipped)), float(sum(lengths[i] for i in skipped)), float(len(zero)), float(sum(lengths))]
-    s_seq, s_tok, n_seq, n_tok = collectives.reduce(figures, "sum")
-    if s_seq == 0:
-        return None
     parts = split(kept, 1) if kept else []
-    target = max(1, int(collectives.reduce([float(len(parts))], "max")[0]))
+    rows = collectives.gather([float(len(skipped)), float(sum(lengths[i] for i in skipped)), float(len(zero)),
+                               float(sum(lengths)), float(len(parts))])  # one collective
+    s_seq, s_tok, n_seq, n_tok = (sum(col) for col in list(zip(*rows))[:4])
+    nothing = Layout(None, 0, 0, 0, int(n_seq), int(n_tok))
+    if s_seq == 0:
+        return nothing
+    target = max(1, int(max(row[4] for row in rows)))
     while True:
         if len(parts) < min(target, len(kept)):
             parts = split(kept, min(target, len(kept)))  # balanced over as many as the others run
         short = len(parts) < target and not skipped  # short of the count, and no skipped sequence to fill with
         high, any_short = collectives.reduce([float(len(parts)), float(short)], "max")
         if any_short:  # a rank has too few sequences to pair its collectives: no skip in this mini-batch
-            return None
+            return nothing
         if int(high) <= target:
             break
         target = int(high)  # a re-split grew past the count (a token limit): agree again
@@ -85,4 +82,4 @@ def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
     return out
 
 
-__all__ = ["Layout", "Split", "chunks", "form", "nothing_skipped"]
+__all__ = ["Layout", "Split", "chunks", "form"]

@@ -157,14 +157,15 @@ def _audits(rank, world_size, model_dir, batch):
     engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                engine_cls=HiLoReFSDPEngine,
                                hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1,
-                                       "stochastic_rounding": True, "seed": 7})
+                                       "stochastic_rounding": True, "seed": 7,
+                                       "skip_zero_exposure": False})  # micro-batch 0 stays, without exposure
     compressed = []  # every compressed unit's plan the controller hands the runtime
     set_plan = engine.runtime.set_plan
 
-    def spy(plan):
+    def spy(plan, **kwargs):
         if engine.controller is not None:  # after profiling and calibration: the controller's plans
             compressed.extend(p for p in map(UnitPlan.parse, plan.values()) if p.mode == Mode.COMPRESS)
-        return set_plan(plan)
+        return set_plan(plan, **kwargs)
 
     engine.runtime.set_plan = spy
 

@@ -102,8 +102,9 @@ def _forward_reads(rank, world_size, model_dir, batch, hilore):
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     stock = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True)
     managed = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True, engine_cls=HiLoReFSDPEngine,
-                                actor_config=config, hilore={"enable": True, "min_bytes": 1024, **hilore})
-    result = {}
+                                actor_config=config, hilore={"enable": True, "min_bytes": 1024,
+                                                             "skip_zero_exposure": False, **hilore})
+    result = {}  # per forward step: the skip (one read per mini-batch, in train_batch) would change the count
     for name, engine in (("stock", stock), ("hilore", managed)):
         counts, metrics = _count_forward_steps(engine), []
         for _ in range(2):  # the first HiLoRe step also profiles and calibrates (its own passes, not counted)

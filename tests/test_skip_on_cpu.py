@@ -115,13 +115,16 @@ class _Ranks:
         class View:
             world_size = ranks.world_size
 
-            def reduce(self, values, op="sum"):
+            def gather(self, values):
                 ranks._values[rank] = [float(v) for v in values]
                 ranks._barrier.wait()
                 rows = [ranks._values[r] for r in range(ranks.world_size)]
                 ranks._barrier.wait()
+                return rows
+
+            def reduce(self, values, op="sum"):
                 fn = {"sum": sum, "max": max, "min": min}[op]
-                return [fn(col) for col in zip(*rows)]
+                return [fn(col) for col in zip(*self.gather(values))]
 
         return View()
 
@@ -156,8 +159,9 @@ def test_ranks_run_the_same_number_of_micro_batches():
 
 def test_nothing_skipped_anywhere_leaves_the_split_to_the_framework():
     split = lambda kept, at_least: skip.chunks(kept, 2, at_least)  # noqa: E731
-    assert _form_on_ranks([[False] * 4, [False] * 4], [[3] * 4] * 2, split) == [None, None]
-    assert skip.form([False, False], [3, 4], split, SingleProcess()) is None
+    layouts = _form_on_ranks([[False] * 4, [False] * 4], [[3] * 4] * 2, split)
+    assert [(x.micro_batches, x.total_sequences, x.total_tokens) for x in layouts] == [(None, 8, 24)] * 2
+    assert skip.form([False, False], [3, 4], split, SingleProcess()).micro_batches is None
 
 
 def test_a_rank_too_short_to_pair_turns_the_skip_off_everywhere():
@@ -165,7 +169,9 @@ def test_a_rank_too_short_to_pair_turns_the_skip_off_everywhere():
     zeros = [[False, False, False, False], [False, True]]  # rank 1: one kept; 4 micro-batches wanted
     layouts = _form_on_ranks(zeros, [[3] * 4, [3, 3]], split)
     assert layouts[1].fillers == 3 and len(layouts[1].micro_batches) == 4  # padded with its skipped one
-    assert _form_on_ranks([[False] * 3, [False]], [[3] * 3, [3]], split) == [None, None]  # nothing skipped
+    # rank 1: one sequence, none skipped, so nothing to fill its 3 micro-batches with: no skip anywhere
+    layouts = _form_on_ranks([[False, False, False, True], [False]], [[3] * 4, [3]], split)
+    assert [(x.micro_batches, x.sequences) for x in layouts] == [(None, 0)] * 2
 
 
 def test_chunks_respect_the_micro_batch_size():

@@ -2,12 +2,17 @@
 
     no_gc            nothing saved is dropped
     gc               full gradient checkpointing of every decoder layer (verl's default: HF, non-reentrant)
+    gc_drop_zero_adv GC with every sequence whose advantages are all 0 left out (what verl's open pull requests
+                     do: exact without a KL loss, not with one)
     verl_offload     verl's activation offload (CUDA only: side-stream copies)
     hidden_offload   GC + the layer inputs (what GC holds) offloaded to host memory
     int8_boundary    GC + the layer inputs compressed to int8 (uniform boundary compression)
     fp8_boundary     the same with fp8-e4m3
     keep_recompute   hilore-verl's planner with keep / recompute only, under the budget (torchtitan-style)
     hilore           HiLoRe: keep / compress / recompute, risk-budgeted, under the budget
+
+Both planners leave out the sequences without a loss term (skip.py, as the engine does: no coefficient on
+any of their tokens, so none under a KL loss) before planning.
 
 A method is built once (`setup`, which for the planners profiles and calibrates) and then steps.
 """
@@ -21,14 +26,16 @@ from dataclasses import dataclass, field
 import torch
 
 import hilore_verl
+from hilore_verl import skip
 from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, probe_batch,
                                         make_optimizer, static_bytes, tokens_of)
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller, profile
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.risk import RiskModel, calibrate_by_kind
+from hilore_verl.session import SingleProcess
 
-METHODS = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
+METHODS = ("no_gc", "gc", "gc_drop_zero_adv", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
            "hilore", "runtime_keep", "runtime_recompute")
 PLANNERS = ("keep_recompute", "hilore")
 # the runtime's own cost, no planner: every unit kept (against no_gc), every unit recomputed (against gc)
@@ -51,6 +58,8 @@ class Method:
     exposure_l2: float = 0.0
     plan_s: list[float] = field(default_factory=list)
     config: BenchConfig = field(default_factory=BenchConfig)
+    drop: str | None = None  # a per-sequence flag of the batch: those sequences are left out (skip.py)
+    skipped_token_share: float = 0.0  # of the last step
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One actor update (forward, backward, optimizer step); returns its seconds."""
@@ -62,7 +71,18 @@ class Method:
         _sync()
         return time.perf_counter() - start
 
+    def _kept(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch without the sequences `drop` flags, laid out by skip.form (one micro-batch, one rank)."""
+        zero, lengths = batch[self.drop].tolist(), batch["seq_lens"].tolist()
+        layout = skip.form(zero, lengths, lambda kept, at_least: [kept], SingleProcess())
+        self.skipped_token_share = layout.tokens / layout.total_tokens
+        return batch if layout.micro_batches is None else probe_batch(batch, layout.micro_batches[0])
+
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
+        c = self.c
+        if self.drop is not None:
+            batch = self._kept(batch)
+            c = coefficients(batch)
         if self.controller is not None:
             t = time.perf_counter()
             tokens = tokens_of(batch)
@@ -72,7 +92,7 @@ class Method:
         head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None
         with self.context() if self.context is not None else _null():
             with forward_context(self.config):
-                loss = loss_of(self.model, batch, self.c, head)
+                loss = loss_of(self.model, batch, c, head)
             loss.backward()
 
     def gradient(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -130,7 +150,11 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
     optimizer = make_optimizer(model, config)
     method = Method(name, model, optimizer, c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
-    if name in ("gc", "hidden_offload", "int8_boundary", "fp8_boundary"):
+    if name == "gc_drop_zero_adv":
+        method.drop = "zero_advantage"
+    elif name in PLANNERS:
+        method.drop = "zero_coef"
+    if name in ("gc", "gc_drop_zero_adv", "hidden_offload", "int8_boundary", "fp8_boundary"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if name == "hidden_offload":
         method.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
@@ -204,7 +228,8 @@ def planner_state(method: Method) -> dict:
 
 def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
     model = build_model(config)
-    method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config)
+    method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config,
+                    drop="zero_coef")
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
     saved = state["controller"]

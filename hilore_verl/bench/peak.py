@@ -70,7 +70,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
         built.step(batch)
         peak = _status_kib("VmHWM")
     held = None
-    if built.runtime is not None:
+    if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}

@@ -125,6 +125,8 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         t = statistics.median(times[name])
         results[name].update(step_s=t, tokens_per_s=tokens / t)
         method = built[name]
+        if method.drop is not None:
+            results[name]["skipped_token_share"] = method.skipped_token_share
         if method.controller is not None:
             c = method.controller
             results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
@@ -260,11 +262,11 @@ def summarize(report: dict) -> dict:
 def table(report: dict) -> str:
     r = report["methods"]
     gc = r.get("gc", {})
-    lines = [f"{'method':<15} {'tokens/s':>9} {'x GC':>6} {'peak MiB':>9} {'x GC':>6} {'held MiB':>9} "
-             f"{'grad cos':>9} {'rel err':>8}  status"]
+    lines = [f"{'method':<16} {'tokens/s':>9} {'x GC':>6} {'peak MiB':>9} {'x GC':>6} {'held MiB':>9} "
+             f"{'grad cos':>9} {'rel err':>8} {'skipped':>7}  status"]
     for name, v in r.items():
         if v.get("status") != "ok":
-            lines.append(f"{name:<15} {'':>9} {'':>6} {'':>9} {'':>6} {'':>9} {'':>9} {'':>8}  "
+            lines.append(f"{name:<16} {'':>9} {'':>6} {'':>9} {'':>6} {'':>9} {'':>9} {'':>8} {'':>7}  "
                          f"{v['status']}: {v.get('error', '')}")
             continue
         tput = f"{v['tokens_per_s']:9.0f} {v['tokens_per_s'] / gc['tokens_per_s']:6.3f}" if "tokens_per_s" in gc \
@@ -272,8 +274,9 @@ def table(report: dict) -> str:
         peak = (f"{v['peak_bytes'] / 2**20:9.1f} {v['peak_bytes'] / gc['peak_bytes']:6.3f}"
                 if "peak_bytes" in v and "peak_bytes" in gc else f"{v.get('peak_error', '-')[:16]:>16}")
         held = f"{v['runtime_held_bytes'] / 2**20:9.1f}" if v.get("runtime_held_bytes") else f"{'-':>9}"
-        lines.append(f"{name:<15} {tput} {peak} {held} {v.get('grad_cosine', float('nan')):9.6f} "
-                     f"{v.get('grad_rel_error', float('nan')):8.2e}  ok")
+        skipped = f"{100 * v['skipped_token_share']:6.1f}%" if "skipped_token_share" in v else f"{'-':>7}"
+        lines.append(f"{name:<16} {tput} {peak} {held} {v.get('grad_cosine', float('nan')):9.6f} "
+                     f"{v.get('grad_rel_error', float('nan')):8.2e} {skipped}  ok")
     s = report["summary"]
     lines.append("")
     if "gc_overhead" in s:

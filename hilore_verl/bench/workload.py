@@ -44,6 +44,9 @@ class BenchConfig:
     max_response_len: int = 192
     zero_advantage_share: float = 0.5
     """Share of groups whose responses all got the same reward (zero advantage)."""
+    kl_coef: float = 0.0
+    """KL loss coefficient: the k1 estimator's gradient, kl_coef / N, on every response token's coefficient
+    (0: no KL loss, so zero-advantage sequences have no loss term)."""
     rounds: int = 3
     """Timed steps per method (after one warm-up step), taken round-robin over the methods."""
     seed: int = 0
@@ -175,9 +178,12 @@ def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
     # the logit predicting response token j of row b sits at position S - R - 1 + j of that row
     rows, cols = resp.nonzero(as_tuple=True)
     source = rows * S + (S - R - 1) + cols
-    c = -padded["advantages"] / resp.sum()  # c_t = dL/dlog p_t of the token-mean loss
+    # c_t = dL/dlog p_t of the token-mean loss, -A_t / N, plus the k1 KL term's kl_coef / N
+    c = (config.kl_coef * resp - padded["advantages"]) / resp.sum()
     batch = {"targets": padded["responses"][rows, cols], "coef": c[rows, cols].float(), "target_seq": rows,
-             "seq_lens": mask.sum(-1), "tokens": mask.sum(), "positions": torch.tensor(mask.numel())}
+             "seq_lens": mask.sum(-1), "tokens": mask.sum(), "positions": torch.tensor(mask.numel()),
+             "zero_advantage": ~((padded["advantages"] != 0) & resp).any(-1),  # (B,) what verl's open PRs drop
+             "zero_coef": ~((c != 0) & resp).any(-1)}  # (B,) no loss term at all: what HiLoRe skips
     if config.pack:  # valid tokens in one row; a packed position's index is its rank among the valid ones
         rank = torch.full((B * S,), -1, dtype=torch.long)
         rank[mask.view(-1)] = torch.arange(int(mask.sum()))
@@ -198,6 +204,7 @@ def probe_batch(batch: dict[str, torch.Tensor], index: list[int]) -> dict[str, t
     out = {"targets": batch["targets"][keep], "coef": batch["coef"][keep],
            "target_seq": new_seq[batch["target_seq"][keep]], "seq_lens": batch["seq_lens"][idx],
            "tokens": batch["seq_lens"][idx].sum()}
+    out.update({k: batch[k][idx] for k in ("zero_advantage", "zero_coef") if k in batch})
     if "attention_mask" in batch:  # padded rows: logit index = row * S + column
         S = batch["input_ids"].shape[1]
         out.update({k: batch[k][idx] for k in ("input_ids", "position_ids", "attention_mask")})

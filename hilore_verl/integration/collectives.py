@@ -80,6 +80,14 @@ class DataParallel:
             dist.all_reduce(t, op=_OPS[op], group=self.host_group)
         return t.tolist()
 
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's `values` (the same length on every rank), in rank order: one collective for
+        reductions of several kinds, done locally."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        rows = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(rows, t, group=self.host_group)
+        return [r.tolist() for r in rows]
+
     def sum_(self, t: torch.Tensor) -> None:
         all_reduce_on_host(t, "sum", self.group)
 

@@ -95,6 +95,8 @@ def step_record(step: int, metrics: dict) -> dict:
     for key in ("predicted_peak_gib", "budget_gib"):
         if f"actor/hilore/plan/{key}" in metrics:
             record[key] = metrics[f"actor/hilore/plan/{key}"]
+    if "actor/hilore/skip/token_share" in metrics:  # tokens left out of the update (zero-exposure sequences)
+        record["skipped_share"] = metrics["actor/hilore/skip/token_share"]
     return record
 
 
@@ -143,8 +145,9 @@ def _read_steps(path: str, steps: list[dict], arm: str, config: DemoConfig, echo
     for line in lines[len(steps):]:
         record = step_record(line["step"], line["data"])
         steps.append(record)
+        skipped = f"  skipped {100 * record['skipped_share']:5.1f}% of tokens" if "skipped_share" in record else ""
         echo(f"[{arm:>6}] step {record['step']:2d}/{config.steps}  reward {record['reward']:.3f}  "
-             f"update {record['update_s']:6.3f} s  {record['plan']}")
+             f"update {record['update_s']:6.3f} s{skipped}  {record['plan']}")
     return steps
 
 
@@ -164,11 +167,12 @@ class DemoResult:
 
     def table(self) -> str:
         names = list(self.arms)
-        lines = ["step | " + " | ".join(f"reward {a:>6} | update s {a:>6}" for a in names)]
+        lines = ["step | " + " | ".join(f"reward {a:>6} | update s {a:>6}" for a in names) + " | skipped (hilore)"]
         for i in range(self.config.steps):
             row = [f"{self.arms[a]['steps'][i]['reward']:13.3f} | {self.arms[a]['steps'][i]['update_s']:15.3f}"
                    for a in names]
-            lines.append(f"{i + 1:4d} | " + " | ".join(row))
+            share = self.arms.get("hilore", {"steps": [{}] * self.config.steps})["steps"][i].get("skipped_share")
+            lines.append(f"{i + 1:4d} | " + " | ".join(row) + (f" | {100 * share:15.1f}%" if share is not None else ""))
         lines.append("")
         for a in names:
             lines.append(f"{a:>6}: mean reward {self.mean_reward(a, True):.3f} (first half) -> "
@@ -187,6 +191,22 @@ class DemoResult:
         return {"config": asdict(self.config), "arms": self.arms}
 
 
+def recipe_line(config: DemoConfig) -> str:
+    """What both arms train: the loss settings that decide what HiLoRe may skip, from the recipe as hydra
+    composes it (the overrides applied)."""
+    from omegaconf import OmegaConf
+
+    recipe = os.path.abspath(config.recipe_dir or default_recipe_dir())
+    actor = OmegaConf.merge(OmegaConf.load(os.path.join(recipe, "hilore_grpo.yaml")),
+                            OmegaConf.load(os.path.join(recipe, "tiny_cpu.yaml")),
+                            OmegaConf.from_dotlist([o for o in config.overrides if "=" in o]))
+    a = actor.actor_rollout_ref.actor
+    loss = a.get("policy_loss", {}).get("loss_mode", "vanilla")
+    kl = f"KL loss {a.kl_loss_coef} ({a.kl_loss_type})" if a.get("use_kl_loss") else "no KL loss"
+    return (f"recipe: GRPO, policy loss {loss}, {a.loss_agg_mode}, {kl}, entropy coefficient {a.entropy_coeff}, "
+            f"{actor.actor_rollout_ref.rollout.n} responses per prompt, both arms from seed {config.seed}")
+
+
 def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc"), echo=print) -> DemoResult:
     bad = [a for a in arms if a not in ARMS]
     if bad:
@@ -194,6 +214,7 @@ def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore
     from hilore_verl.tiny_task import make_tiny_task
 
     make_tiny_task(config.task_dir)
+    echo(recipe_line(config))
     results = {}
     with tempfile.TemporaryDirectory(prefix="hilore-demo-") as tmp:
         for arm in arms:

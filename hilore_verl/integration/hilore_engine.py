@@ -297,16 +297,15 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         tokens = data["loss_mask"].sum().to(get_device_id())  # over every sequence, as stock verl counts them
         dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
+        layout = None
         if self._skips(data, loss_function):
             zero, lengths = self._zero_exposure(data)
             layout = skip.form(zero, lengths, lambda kept, at_least: self._split_kept(data, kept, at_least),
                                self.session.collectives)
-            if layout is not None:
+            if layout.micro_batches is not None:
                 return [tu.index_select_tensor_dict(data, i) for i in layout.micro_batches], None, layout
-            micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-            return micro_batches, indices, skip.nothing_skipped(lengths, self.session.collectives)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-        return micro_batches, indices, None
+        return micro_batches, indices, layout
 
     def _skips(self, data, loss_function) -> bool:
         """Whether this mini-batch's zero-exposure sequences may be left out; a refusal is said once."""

@@ -143,7 +143,7 @@ class Controller:
             peak = self.predicted_peak(plan, tokens)
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
-        self.runtime.set_plan(unit_plans)
+        self.runtime.set_plan(unit_plans, measure=False)  # every unit kept: the runtime stays out of the way
         predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
         self.history.append(PlanRecord(plan, peak, predicted_risk, allowance, solve_ms))
         if len(self.history) > HISTORY_KEPT:  # a long run plans millions of micro-batches
@@ -230,7 +230,10 @@ class Controller:
         one, is kept unread until `record_spent` (which metrics() calls): nothing here waits for the device."""
         if not self.history or self.risk is None:
             return
-        if isinstance(exposure_l2_exact, (int, float)):
+        record = self.history[-1]
+        if all(choice in ("keep", "recompute") for choice in record.plan.values()):
+            record.spent_risk = 0.0  # an exact plan spends nothing, whatever the exposure: nothing to compute
+        elif isinstance(exposure_l2_exact, (int, float)):
             self._record_spent(self.history[-1], float(exposure_l2_exact))
         else:
             self._unread.append((self.history[-1], exposure_l2_exact))

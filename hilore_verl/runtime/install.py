@@ -48,6 +48,13 @@ class Installed:
             logger.warning("hilore-verl: turned off Hugging Face gradient checkpointing on %d decoder layers; "
                            "the runtime now decides per unit what is kept, compressed or recomputed", len(layers))
 
+    def checkpointing(self, on: bool) -> bool:
+        """HF checkpointing on the taken-over layers back on (a plan that is exactly it) or off again;
+        False when there is none to turn on (the model came without it)."""
+        for module, _, _ in self.gc_state:
+            module.gradient_checkpointing = on
+        return bool(self.gc_state)
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()

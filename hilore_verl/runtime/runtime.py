@@ -98,6 +98,7 @@ class Runtime(SavedTensorHooks):
                                                               for p in mods)]
         self._rerun_cache: tuple[list | None, dict] = (None, {})
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
+        self._hands_off = False  # every unit kept under a training plan: forwards run as the plain model's
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
         self._fwd: _Forward | None = None
@@ -114,8 +115,14 @@ class Runtime(SavedTensorHooks):
         self.attached = False
 
     # ------------------------------------------------------------------ public API
-    def set_plan(self, plan: Union[Plan, Mapping[str, PlanValue]]) -> None:
-        """Swap the plan; takes effect at the next forward. Raises ValueError, leaving the old plan, on bad input."""
+    def set_plan(self, plan: Union[Plan, Mapping[str, PlanValue]], measure: bool = True) -> None:
+        """Swap the plan; takes effect at the next forward. Raises ValueError, leaving the old plan, on bad input.
+
+        `measure=False` (a training plan, whose byte accounting nobody reads): a plan that keeps every unit
+        then runs its forwards without the runtime's saved-tensor hooks and call records, as the plain
+        model does, and a plan that is exactly HF gradient checkpointing (every unit of each layer whose
+        checkpointing `attach` took over recomputed, every other unit kept) runs as HF checkpointing,
+        also without the runtime (`stats()` still describes the last forward that was measured)."""
         resolved = Plan.of(plan).resolve([u.name for u in self.units])
         for unit, unit_plan in zip(self.units, resolved):
             if unit_plan.mode == Mode.COMPRESS and self._hidden_size and self._hidden_size % unit_plan.group_size:
@@ -123,6 +130,12 @@ class Runtime(SavedTensorHooks):
                                  f"{self._hidden_size}; valid group sizes here: "
                                  f"{[g for g in (32, 64, 128) if self._hidden_size % g == 0]}")
         self._plans = resolved
+        checkpointed = {id(m) for m, _, _ in self._installed.gc_state}
+        as_checkpoint = bool(checkpointed) and all(
+            p.mode == (Mode.RECOMPUTE if u.block is not None and id(u.block) in checkpointed else Mode.KEEP)
+            for u, p in zip(self.units, resolved))
+        self._hands_off = not measure and (as_checkpoint or all(p.mode == Mode.KEEP for p in resolved))
+        self._installed.checkpointing(not measure and as_checkpoint)
 
     def plan_of(self, name: str) -> UnitPlan:
         """The plan in force for one unit."""
@@ -137,6 +150,11 @@ class Runtime(SavedTensorHooks):
         plans = Plan.of(plan).resolve([u.name for u in self.units])
         rerun = self._reruns(plans)
         return sum(bool(rerun[block]) for block in self._blocks)
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether forwards now run without the runtime (a training plan that keeps every unit)."""
+        return self._hands_off
 
     @property
     def unit_modules(self) -> dict[nn.Module, RecoveryUnit]:
@@ -222,7 +240,7 @@ class Runtime(SavedTensorHooks):
 
     # ------------------------------------------------------------------ forward hooks
     def _root_pre(self, module, args):
-        if torch.is_grad_enabled() and self._replay is None and self._fwd is None:
+        if torch.is_grad_enabled() and self._replay is None and self._fwd is None and not self._hands_off:
             self._open_forward("root")
 
     def _root_post(self, module, args, output):
@@ -362,7 +380,7 @@ class Runtime(SavedTensorHooks):
     def tracking(self):
         """Account saved tensors of code that drives unit modules directly (not through the root
         module's forward), e.g. decoder layers run one by one. No-op inside a root forward."""
-        if self._fwd is not None or not torch.is_grad_enabled():
+        if self._fwd is not None or not torch.is_grad_enabled() or self._hands_off:
             yield
             return
         self._open_forward("tracking")
@@ -378,7 +396,7 @@ class Runtime(SavedTensorHooks):
         unit = self._by_name.get(unit_name)
         if unit is None:
             raise ValueError(f"unknown unit {unit_name!r}; valid: {', '.join(u.name for u in self.units)}")
-        if not torch.is_grad_enabled() or self._replay is not None:
+        if not torch.is_grad_enabled() or self._replay is not None or (self._hands_off and self._fwd is None):
             return fn(*args, **kwargs)
         standalone = self._fwd is None
         if standalone:
