@@ -234,9 +234,9 @@ class Controller:
         if all(choice in ("keep", "recompute") for choice in record.plan.values()):
             record.spent_risk = 0.0  # an exact plan spends nothing, whatever the exposure: nothing to compute
         elif isinstance(exposure_l2_exact, (int, float)):
-            self._record_spent(self.history[-1], float(exposure_l2_exact))
+            self._record_spent(record, float(exposure_l2_exact))
         else:
-            self._unread.append((self.history[-1], exposure_l2_exact))
+            self._unread.append((record, exposure_l2_exact))
 
     def record_spent(self) -> None:
         """Read the exact exposures `after_forward` kept (every tensor in one transfer) and record the
