@@ -47,6 +47,7 @@ def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_prob
               "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=96",
               "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=96",
+              "actor_rollout_ref.actor.use_kl_loss=true",  # the recipe's KL variant: no sequence can be skipped
               "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}", "trainer.resume_mode=auto"]
     rc, out, steps = main_ppo(tmp_path, task, *common, "trainer.total_training_steps=2", name="first")
     assert rc == 0, out[-6000:]
