@@ -454,9 +454,9 @@ def test_ranks_average_every_float_field_of_the_cost_table():
                       unmanaged_bytes=7.0, region_saving_bytes=3.0)
     values = measured_values(costs)
     # per unit: saved, held, forward, compressible, two quadratic shares and the forward's fixed share;
-    # the table's unmanaged, codec, host, region saving and unmanaged quadratic share: a new float
-    # field is averaged too
-    assert len(values) == 2 * 7 + 5 and 3.0 in values
+    # the table's unmanaged, codec, host, region saving, unmanaged quadratic share and runtime overhead:
+    # a new float field is averaged too
+    assert len(values) == 2 * 7 + 6 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 
@@ -487,3 +487,36 @@ def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
     assert len(grads) == 1 + 7  # exact, then one probe per kind (6 per layer, and the head)
     assert risk.sensitivity["layers.0.mlp.proj"] == risk.sensitivity["layers.1.mlp.proj"] > 0
     assert {u.saved_bytes for u in costs.units if u.name.endswith("mlp.proj")} == {costs.units[4].saved_bytes}
+
+
+def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny):
+    import dataclasses
+
+    assert tiny[4].runtime_overhead_s == 0.0  # no HF checkpointing to compare with: nothing measured
+    model = build_tiny_model("qwen2", seed=0).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rt = hilore_verl.attach(model)
+    batch = make_grpo_batch(WORKLOAD, seed=0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        response_log_probs(model, batch).sum().backward()
+
+    tokens = batch["attention_mask"].numel()
+    costs = profile(rt, run, tokens, element_size=4)
+    checkpoint = rt.checkpoint_plan()
+    assert checkpoint == {u.name: "keep" if u.name == "head" else "recompute" for u in rt.units}
+    assert costs.runtime_overhead_s >= 0.0
+    planned = {}
+    for overhead in (0.0, 10.0):  # none, and more than any plan can gain
+        ctl = Controller(rt, dataclasses.replace(costs, runtime_overhead_s=overhead), None, ROOMY)
+        ctl.begin_mini_batch([1.0], [tokens])
+        planned[overhead] = (ctl.plan_micro_batch(0), rt.hands_off)
+    solved, hands_off = planned[0.0]
+    assert solved != checkpoint and not hands_off  # the budget's room buys kept units, through the hooks
+    assert planned[10.0] == (checkpoint, True)
+    run()  # under the checkpoint plan, hands-off: HF checkpointing as the model had it
+    reference = [p.grad.clone() for p in model.parameters()]
+    rt.set_plan(ctl.runtime_plan(solved))  # the solver's plan, through the runtime: the same gradient
+    run()
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))

@@ -154,7 +154,9 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         method.drop = "zero_advantage"
     elif name in PLANNERS:
         method.drop = "zero_coef"
-    if name in ("gc", "gc_drop_zero_adv", "hidden_offload", "int8_boundary", "fp8_boundary"):
+    # planners: as verl's engine has it (model.enable_gradient_checkpointing, on by default), which the
+    # runtime takes over and runs hands-off for a plan that is exactly checkpointing
+    if name in ("gc", "gc_drop_zero_adv", "hidden_offload", "int8_boundary", "fp8_boundary", *PLANNERS):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if name == "hidden_offload":
         method.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
@@ -231,6 +233,7 @@ def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Meth
     method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config,
                     drop="zero_coef")
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as build()
     method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
     saved = state["controller"]
     method.controller = Controller(method.runtime, Controller.costs_from_state(saved), Controller.risk_from_state(saved),

@@ -109,6 +109,8 @@ class SessionMethod:
         self.name, self.config = name, config
         self.model = build_model(config)
         self.optimizer = make_optimizer(self.model, config)
+        # as verl's engine has it (enable_gradient_checkpointing, on by default): the runtime takes it over
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.runtime = hilore_verl.attach(self.model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
                                                                                 seed=hilore.seed))
         self.passes = BenchPasses(self.model, self.optimizer, config, self.runtime)

@@ -131,15 +131,15 @@ class Controller:
         plan = self._cache.get(key)
         if plan is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
-                plan = self._solve(l2, bucket, allowance)
+                plan = self._choose(l2, bucket, allowance)
                 self._cache[key] = plan
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
-                plan = self._solve(l2, tokens, allowance)
+                plan = self._choose(l2, tokens, allowance)
         peak = self.predicted_peak(plan, tokens)
         if peak > self._limit(tokens):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
-            plan = self._solve(l2, tokens, allowance)
+            plan = self._choose(l2, tokens, allowance)
             peak = self.predicted_peak(plan, tokens)
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
@@ -178,6 +178,31 @@ class Controller:
         if self.costs.region_saving_bytes and self.runtime is not None:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
         return held + self.costs.unmanaged(tokens)
+
+    def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:
+        """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
+        total = 0.0
+        for unit in self.costs.units:
+            total += next(o.time for o in self.costs.options(unit, tokens) if o.name == plan[unit.name])
+        return total
+
+    def _choose(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
+        """The solver's plan, or the cheapest exact plan the runtime runs hands-off (every unit kept, or HF
+        checkpointing as the model had it) when that fits and the solver's plan gains less over it than
+        the runtime's measured overhead per micro-batch (`CostTable.runtime_overhead_s`)."""
+        plan = self._solve(l2, tokens, allowance)
+        overhead = self.costs.runtime_overhead_s
+        baselines = [{u.name: "keep" for u in self.costs.units}]
+        checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
+        baselines += [checkpoint] if checkpoint is not None else []
+        if plan in baselines or overhead <= 0:
+            return plan
+        limit, seconds = self._limit(tokens), self.plan_seconds(plan, tokens)
+        fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
+                if self.predicted_peak(b, tokens) <= limit]
+        if fits and min(fits)[0] <= seconds + overhead:
+            return baselines[min(fits)[1]]
+        return plan
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
         risk = None

@@ -66,6 +66,9 @@ class CostTable:
     inner calls hold no inputs of their own)."""
     unmanaged_quadratic: float = 0.0
     """Share of unmanaged_bytes that grows with tokens squared."""
+    runtime_overhead_s: float = 0.0
+    """Per micro-batch: what running a plan through the runtime's hooks costs over the same exact plan run
+    hands-off (HF checkpointing), measured at the probe; priced as fixed (it follows the saved-tensor count)."""
 
     def scale(self, tokens: int) -> float:
         return tokens / self.tokens
@@ -300,7 +303,9 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                                                     share of forward times (against 1 and 2's own
                                                     times, their spread as the noise)
 
-    Then codec and host-copy bandwidths, on samples the size of the largest unit's saved bytes.
+    Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
+    and hands-off, twice each: the runtime's overhead. Then codec and host-copy bandwidths, on samples
+    the size of the largest unit's saved bytes.
     """
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
@@ -347,6 +352,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
             stats = probe(extra)
             held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
             held.update({h.name: _unpinned(stats, h.name, "stored_bytes") for h in heads} if i == 0 else {})
+        overhead = runtime_overhead(runtime, run, clock)
     finally:
         runtime.set_plan(plan_before)
     never = [n for n, t in times.items() if t == math.inf]
@@ -395,4 +401,20 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
     codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
     return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                     unmanaged_quadratic=unmanaged_q, **kwargs)
+                     unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
+
+
+def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> float:
+    """Seconds a pass of HF checkpointing's plan takes through the runtime's hooks over the same plan run
+    hands-off (the fastest of two each, interleaved); 0 when the model had no checkpointing to compare."""
+    plan = runtime.checkpoint_plan()
+    if plan is None:
+        return 0.0
+    best = {True: math.inf, False: math.inf}
+    for _ in range(2):
+        for hooked in (True, False):
+            runtime.set_plan(plan, measure=hooked)
+            start = clock.mark()
+            run()
+            best[hooked] = min(best[hooked], clock.seconds(start, clock.mark()))
+    return max(best[True] - best[False], 0.0)

@@ -130,12 +130,20 @@ class Runtime(SavedTensorHooks):
                                  f"{self._hidden_size}; valid group sizes here: "
                                  f"{[g for g in (32, 64, 128) if self._hidden_size % g == 0]}")
         self._plans = resolved
-        checkpointed = {id(m) for m, _, _ in self._installed.gc_state}
-        as_checkpoint = bool(checkpointed) and all(
-            p.mode == (Mode.RECOMPUTE if u.block is not None and id(u.block) in checkpointed else Mode.KEEP)
-            for u, p in zip(self.units, resolved))
+        checkpoint = self.checkpoint_plan()
+        as_checkpoint = checkpoint is not None and all(
+            p.mode.value == checkpoint[u.name] for u, p in zip(self.units, resolved))
         self._hands_off = not measure and (as_checkpoint or all(p.mode == Mode.KEEP for p in resolved))
         self._installed.checkpointing(not measure and as_checkpoint)
+
+    def checkpoint_plan(self) -> dict[str, str] | None:
+        """The plan that is exactly HF gradient checkpointing as the model had it before `attach` (each unit
+        of a checkpointed layer "recompute", every other unit "keep"); None when no layer was checkpointed."""
+        checkpointed = {id(m) for m, _, _ in self._installed.gc_state}
+        if not checkpointed:
+            return None
+        return {u.name: "recompute" if u.block is not None and id(u.block) in checkpointed else "keep"
+                for u in self.units}
 
     def plan_of(self, name: str) -> UnitPlan:
         """The plan in force for one unit."""
