@@ -125,7 +125,10 @@ class Session:
                           risk_budget=c.risk_budget, token_bucket=c.token_bucket, audit=audit,
                           stochastic=c.stochastic_rounding, free_bytes=free)
 
-    def _build_controller(self, micro_batches: list) -> None:
+    def build_controller(self, micro_batches: list) -> None:
+        """What the first mini-batch does before training (`train` calls it): profile the cost table and
+        calibrate the risk model on `micro_batches` (this rank's), average them over ranks, build the
+        controller; after `restore(state)`, the saved state instead (no probes)."""
         if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
             state, self._restored = self._restored, None
             self.controller = self._make_controller(Controller.costs_from_state(state),
@@ -227,7 +230,7 @@ class Session:
 
     def _train(self, micro_batches, step, tokens):
         if self.controller is None:
-            self._build_controller(micro_batches)
+            self.build_controller(micro_batches)
         self.step += 1
         self._begin(micro_batches, tokens)
         if self.controller.audit_due(self.step) and self.passes.has_coefficients:

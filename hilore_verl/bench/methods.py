@@ -14,12 +14,12 @@
 Both planners leave out the sequences without a loss term (skip.py, as the engine does: no coefficient on
 any of their tokens, so none under a KL loss) before planning.
 
-A method is built once (`setup`, which for the planners profiles and calibrates) and then steps.
+A method is built once (`build`; the planners' controller is built by the engine's own `Session`, which
+profiles and calibrates as verl's first step does) and then steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -27,13 +27,13 @@ import torch
 
 import hilore_verl
 from hilore_verl import skip
+from hilore_verl.bench.session_passes import BenchPasses
 from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, probe_batch,
-                                        make_optimizer, static_bytes, tokens_of)
+                                        make_optimizer, tokens_of)
+from hilore_verl.config import HiLoReConfig
 from hilore_verl.kernels import dequantize, quantize
-from hilore_verl.planner import BudgetConfig, Controller, profile
-from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
-from hilore_verl.risk import RiskModel, calibrate_by_kind
-from hilore_verl.session import SingleProcess
+from hilore_verl.planner import BudgetConfig, Controller
+from hilore_verl.session import Session, SingleProcess
 
 METHODS = ("no_gc", "gc", "gc_drop_zero_adv", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
            "hilore", "runtime_keep", "runtime_recompute")
@@ -139,9 +139,9 @@ def _boundary_codec(fmt: str, hidden_size: int, min_bytes: int = 16384):
 
 
 def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget: BudgetConfig | None = None,
-          risk_budget: float = 0.01, costs=None) -> Method:
-    """A fresh policy copy with method `name` applied (planners: profiled, calibrated, under `budget`;
-    `costs`: a cost table already profiled on the same model and batch, reused instead of probing)."""
+          risk_budget: float = 0.01) -> Method:
+    """A fresh policy copy with method `name` applied (planners: profiled and calibrated by the engine's
+    session, under `budget`)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
     if name == "verl_offload" and not torch.cuda.is_available():
@@ -173,52 +173,21 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
         method.runtime.set_plan(hilore_verl.Plan(default=RUNTIME_ONLY[name]))
     elif name in PLANNERS:
-        _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0, costs)
+        _attach_planner(method, batch, budget or BudgetConfig(), risk_budget if name == "hilore" else 0.0)
     return method
 
 
-def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float, costs=None) -> None:
-    """Profile and calibrate as the engine's first step does: on whole sequences of the batch, at most
-    `probe_token_bound` tokens (calibration: the most exposed of them)."""
-    runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=16384))
-    method.runtime = runtime
-    head = lambda fn, *args: runtime.call("head", fn, *args)  # noqa: E731
-    bound = probe_token_bound(method.config.profile_tokens, tokens_of(batch))
-    lengths = batch["seq_lens"].tolist()
-
-    def run(probe):
-        method.optimizer.zero_grad(set_to_none=True)
-        with forward_context(method.config):
-            loss = loss_of(method.model, probe, probe["coef"], head)
-        loss.backward()
-
-    if costs is None:
-        index = probe_indices(lengths, bound)
-        probe, half = probe_batch(batch, index), half_probe(lengths, index)
-        small = probe_batch(batch, half) if half else None
-        autocast = method.config.autocast and next(method.model.parameters()).device.type == "cpu"
-        costs = profile(runtime, lambda: run(probe), tokens_of(probe),  # activations: bf16 under autocast
-                        element_size=2 if autocast else next(method.model.parameters()).element_size(),
-                        small=(lambda: run(small), tokens_of(small)) if small else None)
-    if not risk_budget:  # keep / recompute only
-        costs = dataclasses.replace(costs, formats=())
-    risk = None
-    if risk_budget > 0:
-        c2 = batch["coef"].cpu().double().pow(2)  # per sequence: the sum of its tokens' c^2
-        exposed = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, batch["target_seq"].cpu(), c2)
-        probe = probe_batch(batch, probe_indices(lengths, bound, exposed.tolist()))
-
-        def grad_fn(plan):
-            runtime.set_plan(plan)
-            run(probe)
-            return torch.cat([p.grad.flatten() for p in method.model.parameters() if p.grad is not None])
-
-        risk = calibrate_by_kind(grad_fn, [u.name for u in runtime.units], float(probe["coef"].pow(2).sum().sqrt()),
-                                 fmts=("int8",), model=RiskModel(), groups={u.name: u.group for u in runtime.units})
-    method.optimizer.zero_grad(set_to_none=True)
-    # one fixed mini-batch: plan for its exact token count (no bucket rounding up)
-    method.controller = Controller(runtime, costs, risk, budget, static_bytes=static_bytes(method.model, method.config),
-                                   risk_budget=risk_budget, token_bucket=1)
+def _attach_planner(method: Method, batch, budget: BudgetConfig, risk_budget: float, state: dict | None = None) -> None:
+    """The engine's session on the bench's model: its first step's profile -> calibrate -> controller on the
+    batch the planner trains (zero-exposure sequences left out), or, from `state`, a resumed run's controller
+    (no probes)."""
+    hilore = HiLoReConfig(enable=True, budget=budget, risk_budget=risk_budget, audit_every=0,
+                          profile_tokens=method.config.profile_tokens, token_bucket=1)  # one fixed mini-batch
+    runtime = hilore_verl.attach(method.model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes, seed=hilore.seed))
+    session = Session(hilore, runtime, BenchPasses(method.model, method.optimizer, method.config, runtime))
+    session.restore(state)
+    session.build_controller([method._kept(batch)])
+    method.runtime, method.controller = runtime, session.controller
 
 
 def planner_state(method: Method) -> dict:
@@ -229,15 +198,11 @@ def planner_state(method: Method) -> dict:
 
 
 def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
+    """A planner as `build` makes it, its controller from `planner_state` (a resumed session: no probes)."""
     model = build_model(config)
     method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config,
                     drop="zero_coef")
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as build()
-    method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
-    saved = state["controller"]
-    method.controller = Controller(method.runtime, Controller.costs_from_state(saved), Controller.risk_from_state(saved),
-                                   BudgetConfig(*state["budget"]), static_bytes=static_bytes(model, config),
-                                   risk_budget=state["risk_budget"], token_bucket=1)
-    method.controller.load_state_dict(saved)
+    _attach_planner(method, batch, BudgetConfig(*state["budget"]), state["risk_budget"], state["controller"])
     return method

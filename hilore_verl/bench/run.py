@@ -73,14 +73,10 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
     progress = Progress(len(methods) * (2 + config.rounds) + len(points)
                         + ((len(methods) + ("hilore" in methods)) if peaks else 0))
-    costs = None  # the planners share one profiled cost table (same model, same batch)
     for name in sorted(methods, key=lambda m: m != "hilore"):
-        progress.tick(f"building {name}" + (" (profiling, calibrating)" if name in M.PLANNERS and costs is None
-                                            else ""), advance=0)
+        progress.tick(f"building {name}" + (" (profiling, calibrating)" if name in M.PLANNERS else ""), advance=0)
         try:
-            built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget, costs)
-            if built[name].controller is not None:
-                costs = built[name].controller.costs
+            built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget)
         except M.Unavailable as err:
             results[name] = {"status": "unavailable", "error": str(err)}
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
