@@ -77,7 +77,13 @@ def test_the_cpu_rehearsal_runs_every_stage_without_verl(tmp_path):
 
 
 def test_a_stage_past_its_limit_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
-    monkeypatch.setitem(gpu_run.STAGES, "codecs", (6, 6))  # the codec stage cannot finish in 6 s
+    # the codec stage's process stalls at start-up (a sitecustomize on its path), so it cannot finish in
+    # its 6 s however fast the machine; the environment stage runs normally
+    site = tmp_path / "stall"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys, time\nif 'codecs' in sys.argv: time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setitem(gpu_run.STAGES, "codecs", (6, 6))
     report = gpu_run.run_check(str(tmp_path), "cpu", tiny=True, stages=("codecs", "environment"), echo=lambda _: None)
     codecs, environment = report["stages"]
     assert codecs["status"] == "timeout" and "limit" in codecs["error"]
