@@ -78,6 +78,10 @@ class Method:
         self.skipped_token_share = layout.tokens / layout.total_tokens
         return batch if layout.micro_batches is None else probe_batch(batch, layout.micro_batches[0])
 
+    def trained_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens of the batch this method forwards (what its planner plans for)."""
+        return tokens_of(self._kept(batch) if self.drop is not None else batch)
+
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         c = self.c
         if self.drop is not None:

@@ -101,7 +101,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
             built.pop(name)
         progress.tick(f"gradient + warm-up {name}")
-    variants = _sweep_controllers(built, points, tokens)
+    variants = _sweep_controllers(built, points, batch)
     times: dict[object, list[float]] = {k: [] for k in [*built, *variants]}
     planning: dict[str, list[float]] = {k: [] for k in built}  # controller time inside each method's timed steps
     for r in range(config.rounds):
@@ -124,16 +124,17 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         if method.drop is not None:
             results[name]["skipped_token_share"] = method.skipped_token_share
         if method.controller is not None:
-            c = method.controller
+            c, trained = method.controller, method.trained_tokens(batch)  # budgets at what it forwards
             results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
-                                 budget_bytes=c.memory_budget_at(tokens),
-                                 gc_peak_predicted_bytes=c.predicted_peak(_all(c, "recompute"), tokens),
+                                 budget_bytes=c.memory_budget_at(trained),
+                                 gc_peak_predicted_bytes=c.predicted_peak(_all(c, "recompute"), trained),
                                  controller_share=sum(planning[name]) / sum(times[name]))
     sweep_rows = []
     for key, controller in variants.items():
         t = statistics.median(times[key])
         last = controller.history[-1]
-        sweep_rows.append({"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(tokens),
+        trained = built[key[0]].trained_tokens(batch)
+        sweep_rows.append({"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
                            "predicted_peak_bytes": last.predicted_peak, "step_s": t, "tokens_per_s": tokens / t,
                            "plan_counts": _counts(last.plan)})
     if peaks:
@@ -178,13 +179,13 @@ def _all(controller: Controller, choice: str) -> dict[str, str]:
     return {u.name: choice for u in controller.costs.units}
 
 
-def _sweep_controllers(built: dict[str, M.Method], points, tokens: int) -> dict[tuple, Controller]:
+def _sweep_controllers(built: dict[str, M.Method], points, batch) -> dict[tuple, Controller]:
     out = {}
     for name, ratio in points:
         if name not in built:
             continue
         base = built[name].controller
-        keep_all = base.predicted_peak(_all(base, "keep"), tokens)
+        keep_all = base.predicted_peak(_all(base, "keep"), built[name].trained_tokens(batch))
         budget = BudgetConfig("gib", keep_all / 2**30) if ratio == "no_gc" else BudgetConfig("gc_ratio", ratio)
         out[(name, ratio)] = Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
                                         risk_budget=base.risk_budget, token_bucket=base.token_bucket)
