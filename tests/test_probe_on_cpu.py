@@ -10,7 +10,7 @@ import hilore_verl
 from hilore_verl.bench.workload import BenchConfig, build_model, forward_context, loss_of, make_batch, probe_batch
 from hilore_verl.planner import CostTable, UnitProfile, profile
 from hilore_verl.planner.costs import quadratic_share
-from hilore_verl.planner.probe import STEP_SHARE, half_probe, probe_indices, probe_token_bound
+from hilore_verl.planner.probe import MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound
 from hilore_verl.runtime.saving import is_parameter_like
 
 
@@ -31,7 +31,9 @@ def test_the_bound_is_the_setting_and_a_share_of_the_step():
     assert probe_token_bound(2048, 100_000) == 2048
     assert probe_token_bound(2048, 4000) == 4000 // STEP_SHARE
     assert probe_token_bound(0, 4000) == 4000 // STEP_SHARE
-    assert probe_token_bound(2048, 3) == 1
+    assert probe_token_bound(2048, 3) == 3  # a tiny step: all of it
+    assert probe_token_bound(2048, 200) == MIN_PROBE_TOKENS  # not 200 // 8: room for a second, half probe
+    assert probe_token_bound(16, 200) == 16  # the configured bound still holds
 
 
 def test_half_probe():

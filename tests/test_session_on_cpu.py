@@ -30,7 +30,8 @@ def _micro_batches(seed: int) -> list[dict]:
     batch = make_grpo_batch(WORKLOAD, seed=seed)
     mask = batch["response_mask"].float()
     batch["c"] = batch["advantages"] * mask / mask.sum()
-    return [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
+    per_sequence = {k: v for k, v in batch.items() if v.shape[0] == mask.shape[0]}  # not the per-group flags
+    return [{k: v[i:i + 4] for k, v in per_sequence.items()} for i in (0, 4)]
 
 
 class PlainPasses:

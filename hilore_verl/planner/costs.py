@@ -248,17 +248,19 @@ def quadratic_share(small: float, large: float, r: float) -> float:
 
 def fixed_share(small: float, large: float, r: float, noise: float = 0.0) -> float:
     """Share a of a figure at the larger probe that does not grow with tokens (per-call overhead: a
-    GPU's launches, which bound a small probe), from the figure at both probes: small / large =
-    a + (1 - a) r, where the figure grew, but less than linearly (r < small / large < 1) by more than
-    `noise` (the ratio's relative uncertainty). Otherwise 0, priced linearly as without a second
+    GPU's launches, or the host's module calls, which bound a small probe), from the figure at both
+    probes: small / large = a + (1 - a) r, where the figure grew less than linearly (r < small /
+    large) by more than `noise` (the ratio's relative uncertainty). A figure that did not grow at all
+    (small / large >= 1) is all fixed: a = 1. Otherwise 0, priced linearly as without a second
     probe: growth at least linear is the quadratic share's, and growth that noise cannot tell from
-    linear or from none is not measured."""
+    linear is not measured. (Pricing a fixed cost linearly would scale a tiny probe's call overhead
+    with the tokens of a micro-batch many times its size.)"""
     if large <= 0 or not 0 < r < 1:
         return 0.0
     ratio = small / large
-    if not (r < ratio * (1 - noise) and ratio * (1 + noise) < 1):
+    if not r < ratio * (1 - noise):
         return 0.0
-    return (ratio - r) / (1 - r)
+    return min((ratio - r) / (1 - r), 1.0)
 
 
 def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[str, tuple[float, float]]:

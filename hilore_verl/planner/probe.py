@@ -21,11 +21,15 @@ from __future__ import annotations
 from typing import Sequence
 
 STEP_SHARE = 8  # the probe takes at most 1 / STEP_SHARE of a step's tokens
+MIN_PROBE_TOKENS = 64  # ... but never fewer than this (or the step's tokens): room for a half probe
 
 
 def probe_token_bound(profile_tokens: int, step_tokens: int) -> int:
-    """Tokens the probe may take: `profile_tokens` (0: no fixed bound) and step_tokens / STEP_SHARE."""
-    share = max(int(step_tokens) // STEP_SHARE, 1)
+    """Tokens the probe may take: `profile_tokens` (0: no fixed bound) and step_tokens / STEP_SHARE, at
+    least MIN_PROBE_TOKENS (of the step's). A step of a few hundred tokens would otherwise probe a single
+    short sequence, which leaves no second probe to tell a unit's per-call time from its per-token time
+    (its per-call time would then be priced as growing with tokens)."""
+    share = max(int(step_tokens) // STEP_SHARE, min(MIN_PROBE_TOKENS, int(step_tokens)), 1)
     return min(profile_tokens, share) if profile_tokens > 0 else share
 
 
