@@ -168,8 +168,8 @@ class Session:
         self.runtime.set_plan({})
         self.controller = self._make_controller(costs, risk)
         largest = max(sum(passes.lengths(mb)) for mb in micro_batches)
-        gc_peak = self.controller.predicted_peak({u.name: "recompute" for u in costs.units}, largest)
-        logger.warning("hilore-verl: planning under %.3f GiB (full recompute needs %.3f GiB at %d tokens per "
+        gc_peak = self.controller.predicted_peak(self.controller.gc_plan(), largest)
+        logger.warning("hilore-verl: planning under %.3f GiB (gradient checkpointing needs %.3f GiB at %d tokens per "
                        "micro-batch) with %d units, profiled on %d tokens", self.controller.memory_budget_at(largest)
                        / 2**30, gc_peak / 2**30, largest, len(costs.units), costs.tokens)
 

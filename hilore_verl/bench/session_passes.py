@@ -156,7 +156,7 @@ class SessionMethod:
             return total
 
         return {"predicted_peak_bytes": controller.history[-1].predicted_peak,
-                "gc_predicted_peak_bytes": controller.predicted_peak({u.name: "recompute" for u in costs.units}, tokens),
+                "gc_predicted_peak_bytes": controller.predicted_peak(controller.gc_plan(), tokens),
                 "predicted_extra_s": extra(lambda n: plan[n]),
                 "gc_predicted_extra_s": extra(lambda n: "recompute"),
                 "plan_counts": _counts(plan)}

@@ -34,7 +34,7 @@ class BudgetConfig:
                              "(GC's own peak); use 1.0 or more")
 
     def resolve(self, gc_peak_bytes: float, free_bytes: float | None = None) -> float:
-        """The budget in bytes, given the full-recompute peak (and free device memory for auto)."""
+        """The budget in bytes, given GC's predicted peak (and free device memory for auto)."""
         if self.mode == "gc_ratio":
             return self.value * gc_peak_bytes
         if self.mode == "gib":

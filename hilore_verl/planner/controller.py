@@ -72,11 +72,12 @@ class Controller:
     history: list[PlanRecord] = field(default_factory=list)
 
     def __post_init__(self):
-        self.gc_peak = self.predicted_peak({u.name: "recompute" for u in self.costs.units}, self.costs.tokens)
+        self.gc_peak = self.predicted_peak(self.gc_plan(), self.costs.tokens)
         self.memory_budget = self.budget.resolve(self.gc_peak, self.free_bytes)
-        if self.memory_budget < self.gc_peak:
+        least = self.predicted_peak({u.name: "recompute" for u in self.costs.units}, self.costs.tokens)
+        if self.memory_budget < least:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
-                             f"needs: {self.gc_peak / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
+                             f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
         self._cache: dict[tuple, dict[str, str]] = {}
         self._micro: list[tuple[float, int]] = []
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
@@ -87,10 +88,18 @@ class Controller:
     def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
         return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
 
+    def gc_plan(self) -> dict[str, str]:
+        """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
+        the runtime took over (verl's GC: each checkpointed layer recomputed, the head and anything
+        outside the layers kept), or every unit recomputed where the model had no checkpointing (or no
+        runtime is attached, as in what-if planning)."""
+        checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
+        return checkpoint if checkpoint is not None else {u.name: "recompute" for u in self.costs.units}
+
     def memory_budget_at(self, tokens: int) -> float:
-        """gc_ratio budgets follow the full-recompute peak of the micro-batch size; gib / auto are fixed."""
+        """gc_ratio budgets follow GC's peak (`gc_plan`) at the micro-batch size; gib / auto are fixed."""
         if self.budget.mode == "gc_ratio":
-            return self.budget.value * self.predicted_peak({u.name: "recompute" for u in self.costs.units}, tokens)
+            return self.budget.value * self.predicted_peak(self.gc_plan(), tokens)
         return self.memory_budget
 
     def _limit(self, tokens: int) -> float:
