@@ -67,6 +67,15 @@ def _plan(args: argparse.Namespace) -> int:
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
+def _bench_budget(text: str) -> float | str:
+    if text == "no_gc":
+        return text
+    try:
+        return _number(0.0, inclusive=False)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a ratio > 0 of GC's peak or no_gc, got {text!r}") from None
+
+
 def _bench(args: argparse.Namespace) -> int:
     import os
 
@@ -104,12 +113,13 @@ def _bench(args: argparse.Namespace) -> int:
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
           f"responses up to {config.max_response_len} tokens; {100 * config.zero_advantage_share:g}% of groups at "
-          f"zero advantage; KL loss coefficient {config.kl_coef:g}", flush=True)
+          f"zero advantage; KL loss coefficient {config.kl_coef:g}; planners' budget "
+          f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak", flush=True)
     from hilore_verl.bench.run import WorkloadRefused
 
     try:
         report = run_bench(config, methods, sweep=not args.no_sweep, peaks=not args.no_peaks,
-                           risk_budget=args.risk_budget)
+                           risk_budget=args.risk_budget, budget=args.budget)
     except WorkloadRefused as err:
         print(f"hilore-verl bench: {err}", file=sys.stderr)
         return 2
@@ -216,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU: compute in fp32 instead of bf16 autocast over fp32 weights")
     bench.add_argument("--risk-budget", type=_number(0.0, inclusive=True), default=0.01,
                        help="HiLoRe's risk budget, a finite number >= 0 (default 0.01)")
+    bench.add_argument("--budget", type=_bench_budget, default=1.10,
+                       help="the planners' memory budget: a ratio > 0 of GC's predicted peak, or no_gc (the "
+                            "predicted peak of keeping every unit); default 1.10")
     bench.add_argument("--profile-tokens", type=_non_negative_int, default=2048,
                        help="the planners' probe bound in tokens, as hilore.profile_tokens (also at most 1/8 of "
                             "the step's tokens; 0: only that; default 2048)")

@@ -207,3 +207,23 @@ def test_zero_advantage_skip_and_the_dropping_baseline():
     assert on["hilore"]["skipped_token_share"] == 0.0 and on["hilore"]["grad_cosine"] >= 0.999
     assert on["gc_drop_zero_adv"]["skipped_token_share"] > 0.3
     assert on["gc_drop_zero_adv"]["grad_rel_error"] > 10 * off["gc_drop_zero_adv"]["grad_rel_error"]
+
+
+def test_paired_intervals_and_a_budget_at_no_gcs_peak():
+    """Every row carries a paired interval of its throughput over GC's; a planner under `budget="no_gc"`
+    plans every unit kept (the predicted peak of keeping everything) and runs the plain model."""
+    tiny = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=4, group_size=4,
+                       max_response_len=32, rounds=3, zero_advantage_share=0.0)
+    report = run_bench(tiny, methods=("gc", "hilore"), sweep=False, peaks=False, budget="no_gc")
+    m, s = report["methods"], report["summary"]
+    assert report["budget"] == "no_gc"
+    for name in ("gc", "hilore"):
+        mean, low, high = m[name]["x_gc"]
+        assert low <= mean <= high and len(m[name]["step_times_s"]) == 3
+        lo, hi = m[name]["tokens_per_s_ci"]
+        assert lo <= hi
+    assert m["gc"]["x_gc"] == [1.0, 1.0, 1.0]
+    assert set(m["hilore"]["plan"].values()) == {"keep"}, m["hilore"]["plan"]
+    assert m["hilore"]["budget_bytes"] >= m["hilore"]["predicted_peak_bytes"] > m["hilore"]["gc_peak_predicted_bytes"]
+    assert s["hilore_throughput_vs_gc_ci"] == m["hilore"]["x_gc"]
+    assert "HiLoRe throughput over GC's, paired rounds" in table(report)

@@ -21,6 +21,7 @@ import torch
 
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.peak import FIRST_STEP
+from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated
 from hilore_verl.bench.workload import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.planner import BudgetConfig, Controller
@@ -49,7 +50,9 @@ class Progress:
 
 
 def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.METHODS, sweep: bool = True,
-              peaks: bool = True, risk_budget: float = 0.01) -> dict:
+              peaks: bool = True, risk_budget: float = 0.01, budget: float | str = 1.10) -> dict:
+    """`budget`: the planners' memory budget for their main rows, x GC's predicted peak, or "no_gc" (the
+    predicted peak of keeping every unit)."""
     batch = make_batch(config)
     tokens = tokens_of(batch)
     if padding_share(batch) > MAX_PADDING_SHARE:
@@ -77,6 +80,8 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         progress.tick(f"building {name}" + (" (profiling, calibrating)" if name in M.PLANNERS else ""), advance=0)
         try:
             built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget)
+            if name in M.PLANNERS and budget != 1.10:
+                built[name].controller = _controller_at(built[name], batch, budget)
         except M.Unavailable as err:
             results[name] = {"status": "unavailable", "error": str(err)}
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
@@ -104,8 +109,8 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     variants = _sweep_controllers(built, points, batch)
     times: dict[object, list[float]] = {k: [] for k in [*built, *variants]}
     planning: dict[str, list[float]] = {k: [] for k in built}  # controller time inside each method's timed steps
-    for r in range(config.rounds):
-        for key in [k for k in times if not isinstance(k, tuple) or r == 0]:  # sweep points: one round
+    for r in range(config.rounds):  # paired rounds: every method once per round, the order rotated
+        for key in rotated([k for k in times if not isinstance(k, tuple) or r == 0], r):  # sweep points: one round
             method = built[key[0]] if isinstance(key, tuple) else built[key]
             if isinstance(key, tuple):
                 method.controller, saved = variants[key], method.controller
@@ -119,7 +124,11 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             progress.tick(f"round {r + 1} {key if isinstance(key, str) else key[0] + '@' + str(key[1])}")
     for name in built:
         t = statistics.median(times[name])
-        results[name].update(step_s=t, tokens_per_s=tokens / t)
+        _, low, high = mean_ci([tokens / s for s in times[name]])
+        results[name].update(step_s=t, tokens_per_s=tokens / t, tokens_per_s_ci=[low, high], step_times_s=times[name])
+        for base in ("gc", "no_gc"):  # throughput over the baseline's, round by round
+            if base in built:
+                results[name][f"x_{base}"] = list(paired_ratio_ci(times[base], times[name]))
         method = built[name]
         if method.drop is not None:
             results[name]["skipped_token_share"] = method.skipped_token_share
@@ -127,7 +136,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             c, trained = method.controller, method.trained_tokens(batch)  # budgets at what it forwards
             results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
                                  budget_bytes=c.memory_budget_at(trained),
-                                 gc_peak_predicted_bytes=c.predicted_peak(_all(c, "recompute"), trained),
+                                 gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
                                  controller_share=sum(planning[name]) / sum(times[name]))
     sweep_rows = []
     for key, controller in variants.items():
@@ -147,7 +156,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 results["hilore"]["first_step"] = _peak("hilore", config, None, tmp, first_step=True)
                 progress.tick("first step hilore")
     any_model = built[next(iter(built))].model if built else None
-    report = {"config": config.to_dict(), "tokens": tokens, "padding_share": padding_share(batch),
+    report = {"config": config.to_dict(), "budget": budget, "tokens": tokens, "padding_share": padding_share(batch),
               "static_bytes": static_bytes(any_model, config) if built else None,
               "head_flop_share": head_flop_share(any_model) if built else None, "methods": results, "sweep": sweep_rows,
               "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
@@ -179,17 +188,20 @@ def _all(controller: Controller, choice: str) -> dict[str, str]:
     return {u.name: choice for u in controller.costs.units}
 
 
+def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
+    """The method's controller (same profile and calibration) under another budget: x GC's predicted peak,
+    or "no_gc", the predicted peak of keeping every unit at the tokens it forwards."""
+    base = method.controller
+    if ratio == "no_gc":
+        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.trained_tokens(batch)) / 2**30)
+    else:
+        budget = BudgetConfig("gc_ratio", float(ratio))
+    return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
+                      risk_budget=base.risk_budget, token_bucket=base.token_bucket)
+
+
 def _sweep_controllers(built: dict[str, M.Method], points, batch) -> dict[tuple, Controller]:
-    out = {}
-    for name, ratio in points:
-        if name not in built:
-            continue
-        base = built[name].controller
-        keep_all = base.predicted_peak(_all(base, "keep"), built[name].trained_tokens(batch))
-        budget = BudgetConfig("gib", keep_all / 2**30) if ratio == "no_gc" else BudgetConfig("gc_ratio", ratio)
-        out[(name, ratio)] = Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
-                                        risk_budget=base.risk_budget, token_bucket=base.token_bucket)
-    return out
+    return {(name, ratio): _controller_at(built[name], batch, ratio) for name, ratio in points if name in built}
 
 
 def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, first_step: bool = False) -> dict:
@@ -229,10 +241,20 @@ def summarize(report: dict) -> dict:
         out["gc_overhead_in_range"] = GC_OVERHEAD_RANGE[0] <= out["gc_overhead"] <= GC_OVERHEAD_RANGE[1]
         if "peak_bytes" in ok["gc"]:
             out["static_share_of_gc_peak"] = report["static_bytes"] / ok["gc"]["peak_bytes"]
+    if "gc" in ok:
+        t_gc = ok["gc"]["step_s"]
         if "hilore" in ok:
             t_h = ok["hilore"]["step_s"]
-            out["hilore_recovered_share"] = (t_gc - t_h) / (t_gc - t_no) if t_gc > t_no else None
+            if "no_gc" in ok:
+                t_no = ok["no_gc"]["step_s"]
+                out["hilore_recovered_share"] = (t_gc - t_h) / (t_gc - t_no) if t_gc > t_no else None
             out["hilore_throughput_vs_gc"] = t_gc / t_h
+            out["hilore_throughput_vs_gc_ci"] = ok["hilore"].get("x_gc")  # [mean, low, high] of paired rounds
+            if "gc_drop_zero_adv" in ok:
+                t_d = ok["gc_drop_zero_adv"]["step_s"]
+                out["hilore_vs_gc_drop_zero_adv"] = t_d / t_h
+                out["hilore_vs_gc_drop_zero_adv_ci"] = list(paired_ratio_ci(ok["gc_drop_zero_adv"]["step_times_s"],
+                                                                            ok["hilore"]["step_times_s"]))
             if "peak_bytes" in ok["hilore"] and "peak_bytes" in ok["gc"]:
                 out["hilore_peak_vs_gc"] = ok["hilore"]["peak_bytes"] / ok["gc"]["peak_bytes"]
                 limit = 1.10 * ok["gc"]["peak_bytes"]
@@ -249,25 +271,32 @@ def summarize(report: dict) -> dict:
                     out["hilore_first_step_peak_vs_gc"] = first["peak_bytes"] / ok["gc"]["peak_bytes"]
             out["hilore_grad_cosine"] = ok["hilore"].get("grad_cosine")
             out["hilore_controller_share"] = ok["hilore"].get("controller_share")
-        if "runtime_keep" in ok:  # the runtime's own cost: hooks and bookkeeping with nothing to save
-            out["runtime_keep_vs_no_gc"] = ok["runtime_keep"]["step_s"] / t_no
+        if "runtime_keep" in ok and "no_gc" in ok:  # the runtime's own cost: hooks, bookkeeping, nothing to save
+            out["runtime_keep_vs_no_gc"] = ok["runtime_keep"]["step_s"] / ok["no_gc"]["step_s"]
         if "runtime_recompute" in ok:  # unit-by-unit re-runs against one checkpointed region per layer
             out["runtime_recompute_vs_gc"] = ok["runtime_recompute"]["step_s"] / t_gc
     return out
 
 
+def _ratio(ci) -> str:
+    """'1.234 [1.200, 1.268]' from [mean, low, high] (no interval from one round)."""
+    if not ci:
+        return ""
+    mean, low, high = ci
+    return f"{mean:.3f}" + ("" if low != low else f" [{low:.3f}, {high:.3f}]")
+
+
 def table(report: dict) -> str:
     r = report["methods"]
     gc = r.get("gc", {})
-    lines = [f"{'method':<16} {'tokens/s':>9} {'x GC':>6} {'peak MiB':>9} {'x GC':>6} {'held MiB':>9} "
-             f"{'grad cos':>9} {'rel err':>8} {'skipped':>7}  status"]
+    lines = [f"{'method':<16} {'tokens/s':>9} {'x GC (95% CI, paired rounds)':>28} {'peak MiB':>9} {'x GC':>6} "
+             f"{'held MiB':>9} {'grad cos':>9} {'rel err':>8} {'skipped':>7}  status"]
     for name, v in r.items():
         if v.get("status") != "ok":
-            lines.append(f"{name:<16} {'':>9} {'':>6} {'':>9} {'':>6} {'':>9} {'':>9} {'':>8} {'':>7}  "
+            lines.append(f"{name:<16} {'':>9} {'':>28} {'':>9} {'':>6} {'':>9} {'':>9} {'':>8} {'':>7}  "
                          f"{v['status']}: {v.get('error', '')}")
             continue
-        tput = f"{v['tokens_per_s']:9.0f} {v['tokens_per_s'] / gc['tokens_per_s']:6.3f}" if "tokens_per_s" in gc \
-            else f"{v['tokens_per_s']:9.0f} {'':>6}"
+        tput = f"{v['tokens_per_s']:9.0f} {_ratio(v.get('x_gc')):>28}"
         peak = (f"{v['peak_bytes'] / 2**20:9.1f} {v['peak_bytes'] / gc['peak_bytes']:6.3f}"
                 if "peak_bytes" in v and "peak_bytes" in gc else f"{v.get('peak_error', '-')[:16]:>16}")
         held = f"{v['runtime_held_bytes'] / 2**20:9.1f}" if v.get("runtime_held_bytes") else f"{'-':>9}"
@@ -283,6 +312,11 @@ def table(report: dict) -> str:
                      f"vocabulary head {100 * report['head_flop_share']:.1f}% of forward matmul FLOPs; static "
                      f"{report['static_bytes'] / 2**20:.0f} MiB"
                      + (f" = {100 * s['static_share_of_gc_peak']:.0f}% of GC's peak" if "static_share_of_gc_peak" in s else ""))
+    if s.get("hilore_throughput_vs_gc_ci"):
+        lines.append(f"HiLoRe throughput over GC's, paired rounds: {_ratio(s['hilore_throughput_vs_gc_ci'])}")
+    if s.get("hilore_vs_gc_drop_zero_adv_ci"):
+        lines.append(f"HiLoRe throughput over gc_drop_zero_adv's, paired rounds: "
+                     f"{_ratio(s['hilore_vs_gc_drop_zero_adv_ci'])}")
     if s.get("hilore_recovered_share") is not None:
         lines.append(f"HiLoRe: {s['hilore_throughput_vs_gc']:.3f}x GC throughput, recovers "
                      f"{100 * s['hilore_recovered_share']:.0f}% of GC's recompute overhead (target >= 60%)")
@@ -300,8 +334,9 @@ def table(report: dict) -> str:
         lines.append(f"HiLoRe vs the fastest other method within 1.10x GC's peak ({s['best_other_within_budget']}): "
                      f"{s['hilore_vs_best_other']:.3f}x (target >= 1.05)")
     if s.get("hilore_controller_share") is not None:
+        cosine = s.get("hilore_grad_cosine")
         lines.append(f"HiLoRe controller + solver: {100 * s['hilore_controller_share']:.2f}% of update time "
-                     f"(target <= 2%); gradient cosine {s['hilore_grad_cosine']:.6f} (target >= 0.999)")
+                     f"(target <= 2%)" + ("" if cosine is None else f"; gradient cosine {cosine:.6f} (target >= 0.999)"))
     if report["sweep"]:
         lines += ["", "budget sweep (predicted peak from the runtime's cost table; time measured)",
                   f"{'method':<15} {'budget':>8} {'budget MiB':>11} {'tokens/s':>9}  plan"]
