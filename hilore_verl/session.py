@@ -39,6 +39,7 @@ from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bou
 from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_kind
 from hilore_verl.runtime import Runtime, UnitPlan
+from hilore_verl.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
 
@@ -104,6 +105,8 @@ class Session:
         self._restored: dict | None = None
         self._micro_index = 0
         self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
+        self._clock: DeviceClock | None = None
+        self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark, tokens), read at the next
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict | None:
@@ -223,13 +226,15 @@ class Session:
             return self._train(micro_batches, step, tokens)
         except BaseException:
             self.step = start_step  # the mini-batch did not happen
+            self._timed = None
             if self.controller is not None:
                 self.controller.discard_unread()
             self._recover()
             raise
 
     def _train(self, micro_batches, step, tokens):
-        if self.controller is None:
+        first = self.controller is None
+        if first:
             self.build_controller(micro_batches)
         self.step += 1
         self._begin(micro_batches, tokens)
@@ -245,7 +250,11 @@ class Session:
                     raise StepFailed(f"hilore-verl: out of memory in the gradient audit at step {self.step} on "
                                      "this rank only; training stops here with this rank's state as before the step")
                 logger.warning("hilore-verl: out of memory in the gradient audit at step %d; audit skipped", self.step)
+        clock = self._device_clock()
+        start = clock.mark()
         out = self._train_with_retries(step)
+        # timed for the measured choice of arm (planner/arms.py): not the first (profiling), nor a retried one
+        self._timed = None if first or self.retries else (start, clock.mark(), sum(tokens(mb) for mb in micro_batches))
         metrics = self.controller.metrics()
         metrics["hilore/oom_retries"] = float(self.retries)
         return out, metrics
@@ -258,10 +267,20 @@ class Session:
             raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
                              "verl splits them with same_micro_num_in_dp=True")
         exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
-        rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches])
+        timed, self._timed = self._timed, None
+        seconds = -1.0 if timed is None else self._device_clock().seconds(timed[0], timed[1]) / max(timed[2], 1)
+        rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
+                                       + [seconds])
         squares = [sum(col) for col in zip(*(row[:n] for row in rows))]
-        counts = [max(col) for col in zip(*(row[n:] for row in rows))]
-        self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts])
+        counts = [max(col) for col in zip(*(row[n:2 * n] for row in rows))]
+        per_token = [row[2 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
+        self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts],
+                                         seconds_per_token=max(per_token) if min(per_token) > 0 else None)
+
+    def _device_clock(self) -> DeviceClock:
+        if self._clock is None:
+            self._clock = DeviceClock(next(self.runtime.model.parameters()).device)
+        return self._clock
 
     def _audit(self, micro_batches):
         """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes).

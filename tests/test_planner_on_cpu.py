@@ -520,3 +520,49 @@ def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny
     rt.set_plan(ctl.runtime_plan(solved))  # the solver's plan, through the runtime: the same gradient
     run()
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
+
+
+def test_the_arm_that_runs_is_the_one_measured_faster():
+    """Where the solver's plan differs from a hands-off baseline that fits, mini-batches run the solver's
+    plans for TRIALS timed ones, then the baseline for as many, then the faster arm (by the session's
+    measured seconds per token); a mini-batch with nothing to choose is not a sample."""
+    from hilore_verl.planner.arms import TRIALS, ArmTrial
+
+    arms = ArmTrial(recheck_every=4)
+    ran = []
+    times = {"plan": 2.0, "baseline": 1.0}  # the baseline measures faster
+    last, chosen = None, []
+    for i in range(2 * TRIALS + 6):
+        arms.record(last)
+        ran.append(arms.arm)
+        chosen.append((arms.chosen, arms.ratio(), arms.metrics()["hilore/arm/baseline"]))
+        arms.informative = i != 1  # mini-batch 1 had nothing to choose: no sample
+        last = times[arms.arm]
+    assert ran[:2 * TRIALS + 1] == ["plan"] * (TRIALS + 1) + ["baseline"] * TRIALS
+    assert chosen[2 * TRIALS + 1] == ("baseline", 2.0, 1.0)  # plans 2x the baseline's seconds per token
+    assert ran[2 * TRIALS + 1:2 * TRIALS + 5] == ["baseline"] * 4  # until the recheck ...
+    assert ran[2 * TRIALS + 5] == "plan" and arms.chosen is None  # ... which times both again
+
+
+def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
+    import dataclasses
+
+    model = build_tiny_model("qwen2", seed=0).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rt = hilore_verl.attach(model)
+    batch = make_grpo_batch(WORKLOAD, seed=0)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        response_log_probs(model, batch).sum().backward()
+
+    tokens = batch["attention_mask"].numel()
+    costs = dataclasses.replace(profile(rt, run, tokens, element_size=4), runtime_overhead_s=0.0)
+    ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.5))
+    ctl.begin_mini_batch([1.0], [tokens])
+    solved = ctl.plan_micro_batch(0)
+    assert solved != rt.checkpoint_plan() and not rt.hands_off and ctl.arms.informative
+    ctl.arms.arm = "baseline"
+    assert ctl.plan_micro_batch(0) == rt.checkpoint_plan() and rt.hands_off
+    ctl.arms.arm = "plan"
+    assert ctl.plan_micro_batch(0) == solved and not rt.hands_off  # each arm's plan cached apart

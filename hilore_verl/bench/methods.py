@@ -60,6 +60,7 @@ class Method:
     config: BenchConfig = field(default_factory=BenchConfig)
     drop: str | None = None  # a per-sequence flag of the batch: those sequences are left out (skip.py)
     skipped_token_share: float = 0.0  # of the last step
+    timed: float | None = None  # the last timed step's seconds per trained token, for the controller's arms
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One actor update (forward, backward, optimizer step); returns its seconds."""
@@ -69,7 +70,10 @@ class Method:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         _sync()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.controller is not None:  # as the engine's session times each mini-batch (planner/arms.py)
+            self.timed = seconds / self.trained_tokens(batch)
+        return seconds
 
     def _kept(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch without the sequences `drop` flags, laid out by skip.form (one micro-batch, one rank)."""
@@ -90,7 +94,8 @@ class Method:
         if self.controller is not None:
             t = time.perf_counter()
             tokens = tokens_of(batch)
-            self.controller.begin_mini_batch([self.exposure_l2], [tokens])
+            timed, self.timed = self.timed, None
+            self.controller.begin_mini_batch([self.exposure_l2], [tokens], seconds_per_token=timed)
             self.controller.plan_micro_batch(0)
             self.plan_s.append(time.perf_counter() - t)
         head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None

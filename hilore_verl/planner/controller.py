@@ -35,6 +35,7 @@ from typing import Callable, Union
 import torch
 
 from hilore_verl.exposure import read_floats
+from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.planner.solver import Infeasible, Option, solve
@@ -83,6 +84,7 @@ class Controller:
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
+        self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
 
     # ------------------------------------------------------------------ memory model
     def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
@@ -112,13 +114,16 @@ class Controller:
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
-    def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int]) -> None:
+    def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int],
+                         seconds_per_token: float | None = None) -> None:
         """Per micro-batch: exposure (L2 of c) and tokens, as figures global to the data-parallel group
         (the session reduces them: sum of squares, max), so that micro-batch i gets the same plan on
-        every rank."""
+        every rank. `seconds_per_token`: the last mini-batch's measured time per trained token (the
+        slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py)."""
         n = len(exposure_l2)
         if n != len(tokens) or n == 0:
             raise ValueError(f"need one exposure and one token count per micro-batch; got {n} and {len(tokens)}")
+        self.arms.record(seconds_per_token)
         self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
@@ -135,21 +140,22 @@ class Controller:
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
         allowance = math.sqrt(self._allowance2)
         key = (bucket, round(l2 / allowance, 2) if allowance > 0 else (0.0 if l2 == 0 else math.inf),
-               round(self.memory_factor, 4))
+               round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
-        plan = self._cache.get(key)
-        if plan is None:
+        cached = self._cache.get(key)
+        if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
-                plan = self._choose(l2, bucket, allowance)
-                self._cache[key] = plan
+                cached = self._cache[key] = self._choose(l2, bucket, allowance)
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
-                plan = self._choose(l2, tokens, allowance)
+                cached = self._choose(l2, tokens, allowance)
+        plan, choice = cached
         peak = self.predicted_peak(plan, tokens)
         if peak > self._limit(tokens):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
-            plan = self._choose(l2, tokens, allowance)
+            plan, choice = self._choose(l2, tokens, allowance)
             peak = self.predicted_peak(plan, tokens)
+        self.arms.informative |= choice
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
         self.runtime.set_plan(unit_plans, measure=False)  # every unit kept: the runtime stays out of the way
@@ -195,23 +201,28 @@ class Controller:
             total += next(o.time for o in self.costs.options(unit, tokens) if o.name == plan[unit.name])
         return total
 
-    def _choose(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
-        """The solver's plan, or the cheapest exact plan the runtime runs hands-off (every unit kept, or HF
-        checkpointing as the model had it) when that fits and the solver's plan gains less over it than
-        the runtime's measured overhead per micro-batch (`CostTable.runtime_overhead_s`)."""
+    def _choose(self, l2: float, tokens: int, allowance: float) -> tuple[dict[str, str], bool]:
+        """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
+        hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
+        plan gains less over it than the runtime's measured overhead per micro-batch
+        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py)."""
         plan = self._solve(l2, tokens, allowance)
-        overhead = self.costs.runtime_overhead_s
+        if self.runtime is None:  # what-if planning: nothing runs
+            return plan, False
         baselines = [{u.name: "keep" for u in self.costs.units}]
-        checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
+        checkpoint = self.runtime.checkpoint_plan()
         baselines += [checkpoint] if checkpoint is not None else []
-        if plan in baselines or overhead <= 0:
-            return plan
+        if plan in baselines:
+            return plan, False
         limit, seconds = self._limit(tokens), self.plan_seconds(plan, tokens)
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
                 if self.predicted_peak(b, tokens) <= limit]
-        if fits and min(fits)[0] <= seconds + overhead:
-            return baselines[min(fits)[1]]
-        return plan
+        if not fits:
+            return plan, False
+        baseline = baselines[min(fits)[1]]
+        if min(fits)[0] <= seconds + self.costs.runtime_overhead_s:  # the model already says: the baseline
+            return baseline, False
+        return (baseline if self.arms.arm == "baseline" else plan), True
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
         risk = None
@@ -383,6 +394,7 @@ class Controller:
             mode = choice.split("+")[0]
             counts[mode] = counts.get(mode, 0) + 1
         out = {f"hilore/plan/units_{m}": float(n) for m, n in counts.items()}
+        out.update(self.arms.metrics())
         out.update({"hilore/plan/predicted_peak_gib": last.predicted_peak / 2**30,
                     "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][1]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,

@@ -1,0 +1,81 @@
+"""Measured, not only modelled: the solver's plans against the exact baseline the runtime runs hands-off.
+
+The controller prefers a hands-off baseline (the model's own checkpointing, or every unit kept) when
+the cost model says the solver's plan gains less than the runtime's overhead. That overhead is
+measured once, on the probe (`CostTable.runtime_overhead_s`), and on small or host-bound
+micro-batches it is noisy; the runtime's per-call costs (codec launches, a compile for a new shape)
+are not in it at all. So where a baseline fits the budget and the solver's plan differs from it, the
+controller also measures the two in training: mini-batches run the solver's plans ("plan" arm) until
+TRIALS of them were timed, then the baseline ("baseline" arm) for as many, then the arm with the
+lower median seconds per trained token runs, and after RECHECK_EVERY mini-batches both are timed
+again (plans follow exposures and token counts). Both arms are updates the controller may make: the
+baseline is exact, the plans within the risk budget. The session times each mini-batch (device
+clock, the slowest rank's, so every rank takes the same arm); a mini-batch whose plans all equal
+their baselines, the first (profiling), or one retried after a fault is not a sample.
+
+    arms = ArmTrial()
+    arms.record(seconds_per_token)     # the last mini-batch's time, or None; picks this one's arm
+    arms.arm                           # "plan" or "baseline"
+    arms.informative = True            # a micro-batch of this mini-batch had a choice
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+TRIALS = 3  # timed mini-batches per arm before choosing
+RECHECK_EVERY = 200  # mini-batches on the chosen arm before timing both again
+ARMS = ("plan", "baseline")
+
+
+@dataclass
+class ArmTrial:
+    trials: int = TRIALS
+    recheck_every: int = RECHECK_EVERY
+    arm: str = "plan"  # the arm the current mini-batch runs
+    chosen: str | None = None  # the measured winner, until the next recheck
+    informative: bool = False  # the current mini-batch had a micro-batch whose plan differs from its baseline
+    samples: dict[str, list[float]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    since_choice: int = 0
+
+    def record(self, seconds_per_token: float | None) -> None:
+        """The last mini-batch's seconds per trained token (None: not timed); then this mini-batch's arm."""
+        if seconds_per_token is not None and seconds_per_token > 0 and self.informative:
+            self.samples[self.arm].append(seconds_per_token)
+        self.informative = False
+        if self.chosen is not None:
+            self.since_choice += 1
+            if self.since_choice < self.recheck_every:
+                return
+            self.chosen, self.samples = None, {a: [] for a in ARMS}
+        for arm in ARMS:  # the solver's plans first, then the baseline
+            if len(self.samples[arm]) < self.trials:
+                self.arm = arm
+                return
+        medians = {a: statistics.median(self.samples[a]) for a in ARMS}
+        self.chosen = self.arm = min(ARMS, key=lambda a: medians[a])  # ties: the solver's plans
+        self.since_choice = 0
+        logger.warning("hilore-verl: measured over %d mini-batches each, the solver's plans take %.3g s and the exact "
+                       "baseline %.3g s per 1000 trained tokens: running the %s for the next %d mini-batches",
+                       self.trials, 1e3 * medians["plan"], 1e3 * medians["baseline"],
+                       "solver's plans" if self.chosen == "plan" else "baseline (hands-off)", self.recheck_every)
+
+    def ratio(self) -> float | None:
+        """Median seconds per token of the plans over the baseline's, once both were timed."""
+        if not all(self.samples[a] for a in ARMS):
+            return None
+        return statistics.median(self.samples["plan"]) / statistics.median(self.samples["baseline"])
+
+    def metrics(self) -> dict[str, float]:
+        out = {"hilore/arm/baseline": float(self.arm == "baseline")}
+        ratio = self.ratio()
+        if ratio is not None:
+            out["hilore/arm/plan_over_baseline"] = ratio
+        return out
+
+
+__all__ = ["ArmTrial", "RECHECK_EVERY", "TRIALS"]
