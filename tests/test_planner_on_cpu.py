@@ -489,10 +489,9 @@ def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
     assert {u.saved_bytes for u in costs.units if u.name.endswith("mlp.proj")} == {costs.units[4].saved_bytes}
 
 
-def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny):
-    import dataclasses
-
-    assert tiny[4].runtime_overhead_s == 0.0  # no HF checkpointing to compare with: nothing measured
+def _checkpointed_tiny():
+    """The tiny model with HF checkpointing on (as verl's engine enables it), the runtime attached: (model,
+    runtime, one forward + backward, tokens)."""
     model = build_tiny_model("qwen2", seed=0).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     rt = hilore_verl.attach(model)
@@ -502,7 +501,14 @@ def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny
         model.zero_grad(set_to_none=True)
         response_log_probs(model, batch).sum().backward()
 
-    tokens = batch["attention_mask"].numel()
+    return model, rt, run, batch["attention_mask"].numel()
+
+
+def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny):
+    import dataclasses
+
+    assert tiny[4].runtime_overhead_s == 0.0  # no HF checkpointing to compare with: nothing measured
+    model, rt, run, tokens = _checkpointed_tiny()
     costs = profile(rt, run, tokens, element_size=4)
     checkpoint = rt.checkpoint_plan()
     assert checkpoint == {u.name: "keep" if u.name == "head" else "recompute" for u in rt.units}
@@ -547,16 +553,7 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
 def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
     import dataclasses
 
-    model = build_tiny_model("qwen2", seed=0).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    rt = hilore_verl.attach(model)
-    batch = make_grpo_batch(WORKLOAD, seed=0)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        response_log_probs(model, batch).sum().backward()
-
-    tokens = batch["attention_mask"].numel()
+    _, rt, run, tokens = _checkpointed_tiny()
     costs = dataclasses.replace(profile(rt, run, tokens, element_size=4), runtime_overhead_s=0.0)
     ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.5))
     ctl.begin_mini_batch([1.0], [tokens])

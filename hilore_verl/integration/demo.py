@@ -97,6 +97,8 @@ def step_record(step: int, metrics: dict) -> dict:
             record[key] = metrics[f"actor/hilore/plan/{key}"]
     if "actor/hilore/skip/token_share" in metrics:  # tokens left out of the update (zero-exposure sequences)
         record["skipped_share"] = metrics["actor/hilore/skip/token_share"]
+    if "actor/hilore/arm/baseline" in metrics:  # share of micro-batches on the measured hands-off baseline
+        record["baseline_share"] = metrics["actor/hilore/arm/baseline"]
     return record
 
 
@@ -147,7 +149,8 @@ def _read_steps(path: str, steps: list[dict], arm: str, config: DemoConfig, echo
         steps.append(record)
         skipped = f"  skipped {100 * record['skipped_share']:5.1f}% of tokens" if "skipped_share" in record else ""
         echo(f"[{arm:>6}] step {record['step']:2d}/{config.steps}  reward {record['reward']:.3f}  "
-             f"update {record['update_s']:6.3f} s{skipped}  {record['plan']}")
+             f"update {record['update_s']:6.3f} s{skipped}  {record['plan']}"
+             + (" (hands-off baseline, measured faster)" if record.get("baseline_share") else ""))
     return steps
 
 
