@@ -64,6 +64,12 @@ class HiLoReConfig:
     (all advantages 0 under a loss proportional to the advantage, no KL loss, no entropy bonus); the loss
     normalisation stays stock verl's, so the update is unchanged up to floating-point reordering. Under a
     loss it cannot prove safe it trains without skipping and says so once."""
+    measure_baseline: bool = True
+    """Where the solver's plan differs from an exact baseline the runtime runs hands-off (the model's own
+    checkpointing, or every unit kept), time both in training and run the faster (planner/arms.py). With
+    keep / recompute plans both give the same update bitwise; with lossy plans which one runs depends on
+    measured time, so two runs from one seed may differ (within the risk budget). False: the cost model
+    decides alone and such runs repeat exactly."""
     fault_timeout_s: float = 60.0
     """After an out-of-memory error, how long a rank waits for the others to report the same fault
     before it stops training (a fault on some ranks only cannot be retried)."""
@@ -91,6 +97,7 @@ class HiLoReConfig:
         _check_type("stochastic_rounding", self.stochastic_rounding, bool)
         _check_type("step_snapshot", self.step_snapshot, bool)
         _check_type("skip_zero_exposure", self.skip_zero_exposure, bool)
+        _check_type("measure_baseline", self.measure_baseline, bool)
         _check_number("fault_timeout_s", self.fault_timeout_s, "> 0", lambda v: v > 0)
         _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
         _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)

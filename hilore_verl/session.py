@@ -126,7 +126,7 @@ class Session:
         free = self.passes.free_bytes() if c.budget.mode == "auto" else None  # measured when the actor trains
         return Controller(self.runtime, costs, risk, c.budget, static_bytes=self.passes.static_bytes(),
                           risk_budget=c.risk_budget, token_bucket=c.token_bucket, audit=audit,
-                          stochastic=c.stochastic_rounding, free_bytes=free)
+                          stochastic=c.stochastic_rounding, free_bytes=free, measure_baseline=c.measure_baseline)
 
     def build_controller(self, micro_batches: list) -> None:
         """What the first mini-batch does before training (`train` calls it): profile the cost table and

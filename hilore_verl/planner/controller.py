@@ -70,6 +70,7 @@ class Controller:
     memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
     audit: GradientAudit | None = None  # run by the integration on its schedule; adjusts risk_budget
     stochastic: bool = False  # compressed units round stochastically (seeded by the runtime's RuntimeConfig.seed)
+    measure_baseline: bool = True  # time the solver's plans against the hands-off baseline, run the faster
     history: list[PlanRecord] = field(default_factory=list)
 
     def __post_init__(self):
@@ -212,7 +213,7 @@ class Controller:
         baselines = [{u.name: "keep" for u in self.costs.units}]
         checkpoint = self.runtime.checkpoint_plan()
         baselines += [checkpoint] if checkpoint is not None else []
-        if plan in baselines:
+        if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
         limit, seconds = self._limit(tokens), self.plan_seconds(plan, tokens)
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
@@ -222,6 +223,8 @@ class Controller:
         baseline = baselines[min(fits)[1]]
         if min(fits)[0] <= seconds + self.costs.runtime_overhead_s:  # the model already says: the baseline
             return baseline, False
+        if not self.measure_baseline:
+            return plan, False
         return (baseline if self.arms.arm == "baseline" else plan), True
 
     def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
