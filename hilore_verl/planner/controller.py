@@ -80,7 +80,7 @@ class Controller:
         if self.memory_budget < least:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
                              f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
-        self._cache: dict[tuple, dict[str, str]] = {}
+        self._cache: dict[tuple, tuple[dict[str, str], bool]] = {}  # key -> (plan, whether the arm chose it)
         self._micro: list[tuple[float, int]] = []
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
         self._allowance2 = 0.0
