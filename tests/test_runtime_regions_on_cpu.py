@@ -1,4 +1,5 @@
-"""Regions: a decoder block whose units all recompute re-runs once in backward, as checkpoint does."""
+"""Regions: a decoder block with a recomputed unit re-runs once in backward, as checkpoint does; its kept
+and compressed calls hand out their held outputs."""
 
 import copy
 from collections import Counter
@@ -81,16 +82,63 @@ def test_kept_units_inside_a_recomputed_layer_hand_out_their_outputs(monkeypatch
     assert calls["model.layers.0.self_attn.q_proj"] == 1 and calls["model.layers.1.mlp.up_proj"] == 1
 
 
-def test_a_layer_with_a_kept_outer_unit_reruns_call_by_call(monkeypatch):
-    """The input norm kept: the block is not one region, each recomputed call re-runs on its own."""
+def _reruns(monkeypatch):
+    """Count region re-runs (each is one call of recompute.rerun)."""
+    import hilore_verl.runtime.runtime as runtime_module
+
+    count, real = [0], runtime_module.rerun
+    monkeypatch.setattr(runtime_module, "rerun", lambda *a: count.__setitem__(0, count[0] + 1) or real(*a))
+    return count
+
+
+@pytest.mark.parametrize("plan", [
+    {"layers.0.mlp": "recompute", "layers.1.attn": "recompute"},  # one half of each layer
+    {"layers": "recompute", "layers.0.attn.norm": "keep", "layers.1.mlp.act": "keep", "layers.1.mlp.proj": "keep"},
+    {"layers.0.attn.core": "recompute", "layers.0.mlp.norm": "recompute", "layers.1.mlp.norm": "recompute"},
+])
+def test_a_mixed_layer_reruns_once_and_replays_its_kept_calls(plan, monkeypatch):
+    """A layer that recomputes some outermost calls and keeps others is one region: re-run once from
+    its inputs, the kept calls handing out their outputs (their projections never computed again)."""
     ref = _model()
     loss0, grads0 = policy_gradient_step(copy.deepcopy(ref))
     model = copy.deepcopy(ref)
     rt = attach(model)
-    rt.set_plan({"layers": "recompute", "layers.0.attn.norm": "keep"})
+    rt.set_plan(plan)
+    reruns = _reruns(monkeypatch)
     calls, (loss, grads) = _backward_calls(model, policy_gradient_step, monkeypatch)
     assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
-    assert set(calls.values()) == {1} and "model.layers.0.self_attn.q_proj" in calls
+    assert reruns[0] == model.config.num_hidden_layers  # once per layer, whatever the mix
+    assert set(calls.values()) <= {1}
+    for i in range(model.config.num_hidden_layers):
+        for part, prefix in (("attn", "self_attn."), ("mlp", "mlp.")):
+            recomputed = any(rt.plan_of(f"layers.{i}.{part}.{k}").mode.value == "recompute"
+                             for k in ("core", "proj", "act") if f"layers.{i}.{part}.{k}" in rt._by_name)
+            computed = any(k.startswith(f"model.layers.{i}.{prefix}") for k in calls)
+            assert computed == (recomputed and rt.plan_of(f"layers.{i}.{part}.proj").mode.value == "recompute")
+
+
+def test_a_replayed_call_leaves_the_rng_as_it_did_in_forward(monkeypatch):
+    """A kept call that draws random numbers is replayed, drawing nothing: the recomputed dropout after
+    it must still draw what it drew in forward (bitwise the plain model's gradients)."""
+    torch.manual_seed(0)
+    ref = _model()
+
+    def patched(model):
+        for layer in model.model.layers:
+            norm, mlp = layer.input_layernorm, layer.mlp
+            norm_fwd, mlp_fwd = norm.forward, mlp.forward
+            norm.forward = lambda x, f=norm_fwd: f(x) + 0 * torch.rand(1)  # draws, kept
+            mlp.forward = lambda x, f=mlp_fwd: torch.nn.functional.dropout(f(x), 0.5, True)  # draws, recomputed
+        return model
+
+    torch.manual_seed(1)
+    loss0, grads0 = policy_gradient_step(patched(copy.deepcopy(ref)))
+    model = patched(copy.deepcopy(ref))
+    rt = attach(model)
+    rt.set_plan({"layers": "recompute", "layers.0.attn.norm": "keep", "layers.1.attn": "keep"})
+    torch.manual_seed(1)
+    loss, grads = policy_gradient_step(model)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
 
 
 def test_a_rerun_that_makes_other_calls_fails_loudly():

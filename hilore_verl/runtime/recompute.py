@@ -111,8 +111,11 @@ class Replay:
         return _NOT_FOR_BACKWARD
 
     def replayed_output(self, module) -> Any:
-        """The held output to return instead of running `module`, or None to run it."""
+        """The held output to return instead of running `module`, or None to run it. The RNG is left
+        as the call left it in forward (a replayed dropout draws nothing; what runs after it must
+        draw what it drew in forward)."""
         if self.frames and self.frames[-1].held is not None and self.region.modules[self.frames[-1].order] is module:
+            set_rng(self.region.rng_after[self.frames[-1].order])
             return materialize(self.frames[-1].held)
         return None
 
@@ -154,9 +157,7 @@ def rerun(region: Region, replay: Replay, pack: Callable, unpack: Callable) -> N
     with ExitStack() as stack:
         devices = [d for d in region.rng if d != "cpu"]
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"))
-        torch.set_rng_state(region.rng["cpu"])
-        for d in devices:
-            torch.cuda.set_rng_state(region.rng[d], d)
+        set_rng(region.rng)
         for device_type, enabled, dtype in region.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
@@ -193,6 +194,19 @@ def rng_state(inputs) -> dict:
         if t.is_cuda and t.device.index not in state:
             state[t.device.index] = torch.cuda.get_rng_state(t.device)
     return state
+
+
+def rng_like(state: dict) -> dict:
+    """The generators' states now, for the devices of `state` (what `rng_state` captured)."""
+    return {d: torch.get_rng_state() if d == "cpu" else torch.cuda.get_rng_state(d) for d in state}
+
+
+def set_rng(state: dict | None) -> None:
+    for d, value in (state or {}).items():
+        if d == "cpu":
+            torch.set_rng_state(value)
+        else:
+            torch.cuda.set_rng_state(value, d)
 
 
 def autocast_state() -> list[tuple[str, bool, torch.dtype]]:

@@ -274,7 +274,7 @@ class Compressed:
 
 
 class Region:
-    """A call re-run as a whole in backward: a decoder block whose top-level units all recompute
+    """A call re-run as a whole in backward: a decoder block with a top-level unit that recomputes
     (as non-reentrant checkpoint re-runs a layer), or one recompute unit's call elsewhere.
 
     It holds the call's inputs, RNG and autocast state, and, per unit-module call inside it in
@@ -283,8 +283,8 @@ class Region:
     weakly: a record dies with the last handle that needs it, and a region never ties a graph to
     itself through a cycle."""
 
-    __slots__ = ("root", "inputs", "rng", "autocast", "modules", "subtree", "replays", "records", "recompute",
-                 "top")
+    __slots__ = ("root", "inputs", "rng", "autocast", "modules", "subtree", "replays", "rng_after", "records",
+                 "recompute", "top")
 
     def __init__(self, root: Any):
         self.root = root  # the block module, or the root record's module / function
@@ -294,6 +294,7 @@ class Region:
         self.modules: list[Any] = []
         self.subtree: list[int] = []  # calls in the subtree of call k, itself included
         self.replays: list[Any] = []  # held output of call k when it is not re-run, else None
+        self.rng_after: list[dict | None] = []  # with a held output: the RNG state the call left
         self.records: list[weakref.ref] = []
         self.recompute: Callable[["Region"], None] | None = None  # set by the runtime
         # a block region's own code, as the producer of what it hands its outermost calls (order -1)
@@ -304,6 +305,7 @@ class Region:
         self.modules.append(record.module)
         self.subtree.append(1)
         self.replays.append(None)
+        self.rng_after.append(None)
         self.records.append(weakref.ref(record))
 
     def live(self):

@@ -31,7 +31,7 @@ import torch.nn as nn
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
-from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_state
+from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_like, rng_state
 from hilore_verl.runtime.records import (CallRecord, Dropped, LiveKeyMap, Region, WaitCount, map_tensors, storage_id,
                                          tensor_leaves)
 from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensorHooks, is_parameter_like, unpack
@@ -153,11 +153,11 @@ class Runtime(SavedTensorHooks):
         return self._plans[unit.index]
 
     def whole_blocks(self, plan: Union[Plan, Mapping[str, PlanValue]]) -> int:
-        """How many decoder blocks re-run as one region under `plan` (every outermost unit call of the
-        block runs again): those hold only their inputs, as a checkpointed layer does."""
+        """How many decoder blocks re-run whole under `plan` (every outermost unit call of the block runs
+        again): those hold only their inputs, as a checkpointed layer does."""
         plans = Plan.of(plan).resolve([u.name for u in self.units])
         rerun = self._reruns(plans)
-        return sum(bool(rerun[block]) for block in self._blocks)
+        return sum(bool(tops) and all(rerun[m] for m in tops) for tops in self._blocks.values())
 
     @property
     def hands_off(self) -> bool:
@@ -275,11 +275,18 @@ class Runtime(SavedTensorHooks):
 
     def _reruns(self, plans: list[UnitPlan]) -> dict:
         """Per unit module: whether its call runs again in backward (its unit, or a unit called inside
-        it, recomputes). Per block: whether it is one region (all its outermost unit calls run again)."""
+        it, recomputes). Per block: whether it is one region (any of its outermost unit calls runs
+        again: a mixed layer re-runs once, its kept and compressed calls replayed). Per outermost call
+        that does not run again: ("replay", module), whether a call after it in the block does (its
+        output is then held for the re-run; after the last re-run call the re-run has stopped)."""
         cached_plans, rerun = self._rerun_cache
         if cached_plans is not plans:
             rerun = {m: any(plans[i].mode == Mode.RECOMPUTE for i in subtree) for m, subtree in self._subtree.items()}
-            rerun.update({block: bool(tops) and all(rerun[m] for m in tops) for block, tops in self._blocks.items()})
+            for block, tops in self._blocks.items():
+                runs = [rerun[m] for m in tops]
+                rerun[block] = any(runs)
+                last = max((j for j, r in enumerate(runs) if r), default=-1)
+                rerun.update({("replay", m): j < last for j, m in enumerate(tops) if not runs[j]})
             self._rerun_cache = (plans, rerun)
         return rerun
 
@@ -366,9 +373,12 @@ class Runtime(SavedTensorHooks):
             fwd.region = None
             return
         parent = fwd.frames[-1] if fwd.frames else None
-        if not self._runs_again(fn, record.unit) and (parent is None or self._runs_again(parent.module, parent.unit)):
+        if self._runs_again(fn, record.unit):
+            return
+        reached = fwd.rerun.get(("replay", fn), True) if parent is None else self._runs_again(parent.module, parent.unit)
+        if reached:
             # the re-run reaches this call: hand out its output instead of running it, unless part of
-            # the output is itself dropped (then the call runs again)
+            # the output is itself dropped (then the call runs again); restore the RNG state after it
             dropped = []
 
             def hold(t):
@@ -379,6 +389,7 @@ class Runtime(SavedTensorHooks):
             held = map_tensors(output, hold)
             if not any(dropped):
                 region.replays[record.order] = held
+                region.rng_after[record.order] = rng_like(region.rng)
 
     def _runs_again(self, fn, unit: RecoveryUnit) -> bool:
         rerun = self._fwd.rerun.get(fn)
