@@ -76,6 +76,19 @@ def _bench_budget(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a ratio > 0 of GC's peak or no_gc, got {text!r}") from None
 
 
+BENCH_STOP = {"target_ci": 0.02, "min_rounds": 3, "time_cap": 600.0}  # without --rounds
+
+
+def _bench_stop(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--rounds N (a fixed count) or the target, minimum and cap (their defaults filled in), not both."""
+    given = [f"--{k.replace('_', '-')}" for k in BENCH_STOP if getattr(args, k) is not None]
+    if args.rounds is not None and given:
+        parser.error(f"bench: --rounds is a fixed count of rounds; drop it or {', '.join(given)}")
+    for key, default in BENCH_STOP.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+
+
 def _bench(args: argparse.Namespace) -> int:
     import os
 
@@ -83,7 +96,8 @@ def _bench(args: argparse.Namespace) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "hilore_verl.cli", *sys.argv[1:]],
                   {**os.environ, **CACHING_MALLOC})
     from hilore_verl.bench import METHODS, BenchConfig
-    from hilore_verl.bench.run import append_record, plot, run_bench, save_json, table
+    from hilore_verl.bench.report import append_record, plot, save_json, save_markdown, table
+    from hilore_verl.bench.run import run_bench
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS] or ([] if methods else ["(none)"])
@@ -106,7 +120,8 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
-                         rounds=args.rounds, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
+                         rounds=args.rounds, min_rounds=args.min_rounds, target_ci=args.target_ci,
+                         time_cap_s=args.time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
                          profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
                          kl_coef=args.kl_coef)
     shape = (f"model {config.model} (random weights)" if config.model else
@@ -114,7 +129,10 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
           f"responses up to {config.max_response_len} tokens; {100 * config.zero_advantage_share:g}% of groups at "
           f"zero advantage; KL loss coefficient {config.kl_coef:g}; planners' budget "
-          f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak", flush=True)
+          f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak; "
+          + (f"{config.rounds} paired rounds per set" if config.rounds is not None else
+             f"paired rounds until every 95% interval is within +-{100 * config.target_ci:g}% (at least "
+             f"{config.min_rounds}, {config.time_cap_s:g} s of rounds at most)"), flush=True)
     from hilore_verl.bench.run import WorkloadRefused
 
     try:
@@ -127,9 +145,18 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         save_json(report, args.json)
         print(f"wrote {args.json}")
+    if args.md:
+        save_markdown(report, args.md)
+        print(f"wrote {args.md}")
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if not report["ci_reached"]:
+        width = report["ci_half_width"]
+        reached = "no interval (one round)" if width != width else f"the widest +-{100 * width:.1f}%"
+        print(f"hilore-verl bench: not every 95% interval reached +-{100 * config.target_ci:g}% "
+              + ("before the time cap" if config.rounds is None else f"in {config.rounds} fixed rounds")
+              + f": {reached} (ci_reached false in the JSON)")
     if args.append:
         append_record(report, args.append, " ".join(["hilore-verl", *sys.argv[1:]]))
         print(f"appended to {args.append}")
@@ -206,7 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
                                          "planner on one GRPO actor update, side by side")
     bench.add_argument("--methods", default="no_gc,gc,verl_offload,hidden_offload,int8_boundary,fp8_boundary,"
                        "keep_recompute,hilore", help="comma-separated methods (default: all)")
-    bench.add_argument("--rounds", type=_positive, default=3, help="timed steps per method, round-robin (default 3)")
+    bench.add_argument("--target-ci", type=_number(0.0, inclusive=False), default=None,
+                       help="paired rounds go on until every 95%% interval of a throughput over GC's is within +- "
+                            "this share of the ratio (default 0.02: +-2%%)")
+    bench.add_argument("--min-rounds", type=_positive, default=None, help="rounds before the stop is weighed (default 3)")
+    bench.add_argument("--time-cap", type=_number(0.0, inclusive=False), default=None, metavar="SECONDS",
+                       help="seconds of timed rounds for the whole run, half for the methods, half shared by the "
+                            "sweep's budgets; hit before the target, the interval reached is reported (default 600)")
+    bench.add_argument("--rounds", type=_positive, default=None,
+                       help="instead: exactly this many paired rounds per set (no target, no cap)")
     bench.add_argument("--model", default=None, help="a preset (e.g. qwen2.5-1.5b) or HF model directory: its "
                                                      "architecture with random weights (default: the Qwen2 shape below)")
     bench.add_argument("--hidden", type=_positive, default=512)
@@ -235,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-sweep", action="store_true", help="skip the planners' budget sweep")
     bench.add_argument("--no-peaks", action="store_true", help="skip the per-method peak-memory processes")
     bench.add_argument("--json", metavar="PATH", type=_output_path, help="write the report as JSON")
+    bench.add_argument("--md", metavar="PATH", type=_output_path, help="write the report as markdown")
     bench.add_argument("--plot", metavar="PATH", type=_output_path, help="write throughput against peak memory as PNG")
     bench.add_argument("--append", metavar="PATH", type=_output_path,
                        help="append this run (date, command, summary, per-method figures) as one JSON line")
@@ -331,11 +367,14 @@ def _output_path(value: str) -> str:
     return path if value.startswith("~") else value
 
 
-OUTPUTS = ("json", "plot", "append")  # the options that name files written at the end
+OUTPUTS = ("json", "plot", "append", "md")  # the options that name files written at the end
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        _bench_stop(parser, args)
     for key in OUTPUTS:  # checked by _output_path; their missing folders are made before any work
         path = getattr(args, key, None)
         try:

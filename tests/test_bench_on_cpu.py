@@ -57,8 +57,22 @@ def test_planners_and_sweep(report):
 def test_report_outputs(report, tmp_path):
     text = table(report)
     assert "GC overhead over no GC" in text and "budget sweep" in text and "unavailable" in text
+    assert "| hilore | " in text and "predicted step s" in text and "| budget 1.25 | 1 |" in text
     save_json(report, tmp_path / "bench.json")
-    assert json.loads((tmp_path / "bench.json").read_text())["summary"]["gc_overhead"] == report["summary"]["gc_overhead"]
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["summary"]["gc_overhead"] == report["summary"]["gc_overhead"]
+    # every row: throughput with its interval and the physical peak; planned rows: prediction and measurement
+    for name, row in saved["methods"].items():
+        if row["status"] == "ok":
+            assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_ci"]) == 2 and row["peak_bytes"] > 0, name
+            assert len(row["x_gc"]) == 3 and row["rounds"] == 1 and row["measured_step_s"] > 0, name
+    for row in [saved["methods"]["keep_recompute"], saved["methods"]["hilore"], *saved["sweep"]]:
+        assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0 and row["predicted_peak_bytes"] > 0, row
+    assert "predicted_step_s" not in saved["methods"]["gc"]
+    assert saved["stop"]["fixed"] == 1 and saved["ci_reached"] is False  # one round: no interval
+    assert [s["label"] for s in saved["rounds"]] == ["methods", "budget 1.0", "budget 1.1", "budget 1.25",
+                                                      "budget 1.5", "budget no_gc"]
+    assert all(s["stopped_by"] == "fixed" and s["rounds"] == 1 for s in saved["rounds"])
     plot(report, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -108,6 +122,11 @@ def _no_work(args):
     (["--risk-budget", "nan"], "--risk-budget: expected a finite number >= 0, got 'nan'"),
     (["--risk-budget", "inf"], "--risk-budget: expected a finite number >= 0, got 'inf'"),
     (["--rounds", "0"], "--rounds: expected an integer >= 1, got '0'"),
+    (["--target-ci", "0"], "--target-ci: expected a finite number > 0, got '0'"),
+    (["--time-cap", "inf"], "--time-cap: expected a finite number > 0, got 'inf'"),
+    (["--min-rounds", "0"], "--min-rounds: expected an integer >= 1, got '0'"),
+    (["--rounds", "4", "--time-cap", "60"], "--rounds is a fixed count of rounds; drop it or --time-cap"),
+    (["--md", "{dir}"], "--md: '{dir}' is a folder"),
     (["--hidden", "2.5"], "--hidden: expected an integer >= 1, got '2.5'"),
     (["--json", "{file}/report.json"], "--json: cannot write"),
     (["--plot", "{file}/plot.png"], "--plot: cannot write"),
@@ -129,11 +148,25 @@ def test_cli_bad_options_fail_at_parse_time_in_one_line(args, message, tmp_path,
 def test_cli_output_folders_are_created_before_the_run(tmp_path, monkeypatch):
     from hilore_verl import cli
 
-    outputs = [tmp_path / "a" / "b" / "report.json", tmp_path / "c" / "plot.png", tmp_path / "d" / "runs.jsonl"]
+    outputs = [tmp_path / "a" / "b" / "report.json", tmp_path / "c" / "plot.png", tmp_path / "d" / "runs.jsonl",
+               tmp_path / "e" / "report.md"]
     seen = []
     monkeypatch.setattr(cli, "_bench", lambda args: seen.append([p.parent.is_dir() for p in outputs]) or 0)
-    argv = ["bench", "--json", str(outputs[0]), "--plot", str(outputs[1]), "--append", str(outputs[2])]
-    assert cli.main(argv) == 0 and seen == [[True, True, True]]
+    argv = ["bench", "--json", str(outputs[0]), "--plot", str(outputs[1]), "--append", str(outputs[2]),
+            "--md", str(outputs[3])]
+    assert cli.main(argv) == 0 and seen == [[True, True, True, True]]
+
+
+def test_cli_stop_defaults_and_a_fixed_count(monkeypatch):
+    from hilore_verl import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args) or 0)
+    cli.main(["bench"])
+    cli.main(["bench", "--rounds", "5"])
+    cli.main(["bench", "--target-ci", "0.05", "--min-rounds", "4", "--time-cap", "90"])
+    stop = [(a.rounds, a.target_ci, a.min_rounds, a.time_cap) for a in seen]
+    assert stop == [(None, 0.02, 3, 600.0), (5, 0.02, 3, 600.0), (None, 0.05, 4, 90.0)]
 
 
 def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():

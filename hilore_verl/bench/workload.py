@@ -47,8 +47,14 @@ class BenchConfig:
     kl_coef: float = 0.0
     """KL loss coefficient: the k1 estimator's gradient, kl_coef / N, on every response token's coefficient
     (0: no KL loss, so zero-advantage sequences have no loss term)."""
-    rounds: int = 3
-    """Timed steps per method (after one warm-up step), taken round-robin over the methods."""
+    rounds: int | None = None
+    """A fixed count of paired rounds per set (no target, no cap); None: rounds until `target_ci`."""
+    min_rounds: int = 3
+    """Rounds every paired set runs before its stop is weighed (bench/rounds.py)."""
+    target_ci: float = 0.02
+    """Stop a set when every 95% interval of a throughput over GC's is within +- this share of the ratio."""
+    time_cap_s: float = 600.0
+    """Seconds of timed rounds for the whole run: half for the methods' set, half shared by the sweep's budgets."""
     seed: int = 0
     model: str | None = None
     """A preset or HF model directory: its architecture (random weights) instead of the Qwen2 shape above."""

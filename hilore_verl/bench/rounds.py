@@ -1,0 +1,143 @@
+"""Paired rounds until the intervals resolve a target, or until a time cap.
+
+A paired set is a list of keys (methods, or a planner at one sweep budget) stepped once each per
+round, the order rotated. After every round the set's widest interval is taken: for every key but
+the baseline (GC), the 95% interval of its throughput over the baseline's (paired ratios,
+stats.py), its half-width relative to the ratio; without a baseline in the set, each key's own
+throughput interval relative to its mean. The rounds stop when
+
+- the widest half-width is at most `target` and at least `min_rounds` rounds ran (target reached), or
+- at least `min_rounds` rounds ran and another round, at the mean round time so far, would end past
+  the set's time cap (cap hit: the interval reached is reported, with `reached` false), or
+- `fixed` rounds ran, when a fixed count is asked for (no target, no cap).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Hashable
+
+from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated
+
+LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds
+
+
+@dataclass(frozen=True)
+class StopRule:
+    target: float = 0.02
+    """The widest 95% half-width allowed, relative to the ratio (0.02: +-2%)."""
+    min_rounds: int = 3
+    time_cap_s: float = 600.0
+    """Seconds of timed rounds for the whole run, shared by its paired sets (`caps`)."""
+    fixed: int | None = None
+    """Exactly this many rounds per set: no target, no cap."""
+
+    def __post_init__(self):
+        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or (self.fixed is not None
+                                                                                         and self.fixed < 1):
+            raise ValueError(f"bad stop rule {self}")
+
+
+@dataclass
+class RoundSet:
+    label: str
+    times: dict[Hashable, list[float]]
+    rounds: int = 0
+    half_width: float = math.nan
+    """The widest relative half-width after the last round (nan before two rounds)."""
+    widest: Hashable = None
+    reached: bool = False
+    """Whether `half_width` is within the target, whatever stopped the rounds."""
+    stopped_by: str = ""  # "target", "time cap" or "fixed"
+    elapsed_s: float = 0.0
+    cap_s: float | None = None
+    """The set's time cap (None: a fixed count of rounds)."""
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "times"}
+        d["widest"] = key_name(self.widest) if self.widest is not None else None
+        return d
+
+
+def key_name(key: Hashable) -> str:
+    return f"{key[0]}@{key[1]}" if isinstance(key, tuple) else str(key)
+
+
+def half_widths(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> dict[Hashable, float]:
+    """Per key, its interval's half-width relative to its middle (see the module's docstring)."""
+    out = {}
+    for key, values in times.items():
+        if baseline in times and key != baseline:
+            mean, low, high = paired_ratio_ci(times[baseline], values)
+        elif baseline in times and len(times) > 1:
+            continue  # the baseline over itself: 1 every round
+        else:
+            mean, low, high = mean_ci([1 / s for s in values])
+        out[key] = (high - low) / 2 / mean if len(values) > 1 else math.nan
+    return out
+
+
+def widest(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> tuple[float, Hashable]:
+    widths = half_widths(times, baseline)
+    if not widths:
+        return math.nan, None
+    key = max(widths, key=lambda k: math.inf if math.isnan(widths[k]) else widths[k])
+    return widths[key], key
+
+
+def caps(total_s: float, sweep_sets: int) -> tuple[float, float]:
+    """(the main set's cap, each sweep set's): all of it without a sweep; else half for the main set and
+    the other half shared equally by the sweep's budgets."""
+    if sweep_sets == 0:
+        return total_s, 0.0
+    return total_s / 2, total_s / 2 / sweep_sets
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run_rounds(label: str, keys: list, step: Callable[[Hashable], float], rule: StopRule, cap_s: float,
+               baseline: Hashable = "gc", log: Callable[[str], None] = _stderr,
+               clock: Callable[[], float] = time.perf_counter) -> RoundSet:
+    """Round after round of `step(key)` (seconds of one timed step) over `keys` until `rule` stops them."""
+    result = RoundSet(label, {k: [] for k in keys}, cap_s=None if rule.fixed is not None else cap_s)
+    start, logged = clock(), 0.0
+    while keys:
+        for key in rotated(list(keys), result.rounds):
+            result.times[key].append(step(key))
+        result.rounds += 1
+        result.elapsed_s = clock() - start
+        result.half_width, result.widest = widest(result.times, baseline)
+        result.reached = result.half_width <= rule.target  # False while nan
+        width = "-" if math.isnan(result.half_width) else f"+-{100 * result.half_width:.1f}% ({key_name(result.widest)})"
+        if result.rounds <= rule.min_rounds or result.elapsed_s - logged >= LOG_EVERY_S:
+            logged = result.elapsed_s
+            log(f"{label}: round {result.rounds}, widest 95% half-width {width}, {result.elapsed_s:.0f} s"
+                + ("" if rule.fixed is not None else f" of {cap_s:.0f} s"))
+        if rule.fixed is not None:
+            if result.rounds >= rule.fixed:
+                result.stopped_by = "fixed"
+                break
+            continue
+        if result.rounds < rule.min_rounds:
+            continue
+        if result.reached:
+            result.stopped_by = "target"
+            break
+        if result.elapsed_s * (result.rounds + 1) / result.rounds > cap_s:
+            result.stopped_by = "time cap"
+            break
+    if result.stopped_by == "target":
+        log(f"{label}: target +-{100 * rule.target:g}% reached after {result.rounds} rounds: {width}")
+    elif result.stopped_by == "time cap":
+        log(f"{label}: time cap {cap_s:.0f} s hit after {result.rounds} rounds before the target +-{100 * rule.target:g}%; "
+            f"interval reached {width}")
+    return result
+
+
+__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "run_rounds", "widest"]
