@@ -3,7 +3,8 @@
 Pack: parameters (and their views or casts), non-float, nested and small tensors are kept as they
 are, except that a cast of a weight made inside a recomputed call (autocast's bf16 copy) is made
 again by the re-run instead of held. Everything else is handled by its producer unit's mode
-(`Runtime._lookup` finds the producer): KEEP holds the tensor, COMPRESS a quantized payload (per-row
+(`Runtime._lookup` finds the producer; a tensor made outside every unit and saved by a unit's call
+goes by the first unit that saves it, `_adopted`): KEEP holds the tensor, COMPRESS a quantized payload (per-row
 statistics and non-finite tensors stay exact and are counted), RECOMPUTE a `Dropped` handle on the
 producing call. Unpack: each holder checks the tensor was not changed in place since it was saved,
 then hands it out (decoded or regenerated).
@@ -22,7 +23,8 @@ import torch.nn as nn
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import Checked, Compressed, Kept, Unchecked, VersionWatch, geometry_of, storage_key
+from hilore_verl.runtime.records import (Checked, Compressed, Kept, LiveKeyMap, Unchecked, VersionWatch, geometry_of,
+                                         storage_id, storage_key)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # exact copies held beside their payloads while inf / nan checks are on their way to the host, at most
@@ -154,11 +156,47 @@ class SavedTensorHooks:
             if fwd.plans[fwd.tail.index].mode == Mode.RECOMPUTE:
                 return self._keep(t, fwd.tail, fwd)
             return self._store(t, fwd.tail, None, None, None, fwd)
+        if unit is None and entry is not None and frame is not None:
+            held = self._adopted(t, frame, own_index, fwd)
+            if held is not None:
+                return held
         if unit is None:
             kept = Kept(t)
             fwd.stats.add_unmanaged(kept.tensor, False)
             return kept
         return self._store(t, unit, record, locator, geometry, fwd)
+
+    def _adopted(self, t: torch.Tensor, frame, own_index, fwd):
+        """How `t`, made outside every unit (the residual stream, rotary tables) and saved by `frame`'s
+        call, is held: as a save of the first unit whose call saved its storage in this forward (one
+        tensor, one owner, one mode), counted as that unit's. Kept or compressed by the owner's plan;
+        when the owner recomputes, dropped if this is the owner's own call (its re-run takes `t` as an
+        input and saves it again). None (`t` stays outside units, kept as it is) where the owner
+        recomputes and another unit's call saves it, or where the owner compresses and `t` is held exact
+        already as a recomputed call's input (a payload beside it would save nothing)."""
+        adopted = self._adoptions(fwd)
+        key = (storage_id(t),)
+        owner, held_exact = adopted.get(key) or (None, False)
+        if owner is None:
+            owner = frame.unit
+            adopted.put(key, t, (owner, held_exact))
+        mode = fwd.plans[owner.index].mode
+        if mode == Mode.RECOMPUTE:
+            if owner is not frame.unit:
+                return None
+            return self._store(t, owner, frame, ("own", own_index), None, fwd)
+        if mode == Mode.COMPRESS and held_exact:
+            return None
+        return self._store(t, owner, None, None, None, fwd)
+
+    @staticmethod
+    def _adoptions(fwd) -> LiveKeyMap:
+        """Per forward: storage -> (the unit that adopted it or None, whether it is held exact as a
+        recomputed call's input), see `_adopted`."""
+        adopted = getattr(fwd, "adopted", None)
+        if adopted is None:
+            adopted = fwd.adopted = LiveKeyMap()
+        return adopted
 
     @staticmethod
     def _keep(t, unit, fwd, pinned: bool = False) -> Kept:
@@ -257,6 +295,10 @@ class SavedTensorHooks:
         if entry is None or entry.unit is None or entry.record is None:
             kept = Kept(t, alias=not isinstance(t, nn.Parameter))
             self._fwd.stats.add_unmanaged_held(kept.tensor)
+            if entry is not None and entry.unit is None:  # a later save by a compressed unit shares it
+                adopted, key = self._adoptions(self._fwd), (storage_id(t),)
+                owner, _ = adopted.get(key) or (None, False)
+                adopted.put(key, t, (owner, True))
             return kept
         return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
                            saved=False)
