@@ -37,12 +37,14 @@ import torch
 from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.budget import BudgetConfig
-from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.planner.costs import CostTable, UnitProfile, layer_of
+from hilore_verl.planner.refine import refine
 from hilore_verl.planner.solver import Infeasible, Option, solve
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
+MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's overshoot less
 HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
 Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
 
@@ -143,7 +145,9 @@ class Controller:
         key = (bucket, round(l2 / allowance, 2) if allowance > 0 else (0.0 if l2 == 0 else math.inf),
                round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
-        cached = self._cache.get(key)
+        keep = {u.name: "keep" for u in self.costs.units}
+        # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
+        cached = (keep, False) if self.predicted_peak(keep, tokens) <= self._limit(tokens) else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
                 cached = self._cache[key] = self._choose(l2, bucket, allowance)
@@ -166,10 +170,12 @@ class Controller:
             del self.history[:-HISTORY_KEPT // 4]
         return plan
 
-    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0) -> dict[str, str]:
+    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
+                 exclude: tuple[str, str] | None = None) -> dict[str, str]:
         """The plan for one micro-batch of `tokens` tokens, without handing it to a runtime (what-if
-        planning; allowance 0 or no risk model: keep / recompute only)."""
-        return self._solve(exposure_l2, tokens, allowance)
+        planning; allowance 0 or no risk model: keep / recompute only). `exclude`: (unit, option) the
+        plan may not use (the best plan without it: the runner-up, planner/ranking.py)."""
+        return self._solve(exposure_l2, tokens, allowance, exclude)
 
     def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
         """Option names ("int8+offload", ...) as the runtime's UnitPlans (the cost table's group size;
@@ -185,11 +191,7 @@ class Controller:
 
     def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
         """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
-        by_name = {u.name: u for u in self.costs.units}
-        held = 0.0
-        for name, choice in plan.items():
-            options = {o.name: o for o in self.costs.options(by_name[name], tokens)}
-            held += options.get(choice, options["keep"]).memory  # a unit with nothing saved has no lossy option
+        held = self.costs.held(plan, tokens)
         k = self.costs.scale(tokens)
         if self.costs.region_saving_bytes and self.runtime is not None:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
@@ -238,50 +240,58 @@ class Controller:
             return plan, False
         return (baseline if self.arms.arm == "baseline" else plan), True
 
-    def _solve(self, l2: float, tokens: int, allowance: float) -> dict[str, str]:
+    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, str] | None = None) -> dict[str, str]:
         risk = None
         if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
             risk = lambda unit, fmt: self.risk.unit_risk(unit, self._unit_plan(fmt), l2)  # noqa: E731
-        options = [self.costs.options(u, tokens, risk) for u in self.costs.units]
+        options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.name) != exclude]
+                   for u in self.costs.units]
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
         budget = self.activation_budget(tokens)
         limit = self._limit(tokens)
-        best, failure = None, None
-        # Units priced one by one overestimate a layer re-run as one region; a second solve credits
-        # each layer's region saving to its units' recompute options, and its plan is kept only if
-        # the memory model (which knows which layers are whole regions) says it fits.
-        for credited in (False, True) if self.costs.region_saving_bytes else (False,):
-            choices, extra = self._credited(options, tokens) if credited else (options, 0.0)
+        # Units are priced one by one (a recomputed unit at what it holds itself); what a layer holds more
+        # as one region (its inputs, the outputs it replays) only the memory model knows. So the solver
+        # runs again while the model says its plan does not fit, each layer's region bytes of the last
+        # plan spread over the layer's units as a surcharge on recomputing them (raised, never lowered:
+        # the surcharges only grow, and the plans fit sooner or later); the exact plans that bound the
+        # search (GC's, every unit recomputed) compete where they fit.
+        fitting, surcharge = [], {}
+        for attempt in range(MAX_RESOLVES):
+            priced = [[dataclasses.replace(o, memory=o.memory + surcharge[u.name])
+                       if o.name == "recompute" and u.name in surcharge else o for o in opts]
+                      for u, opts in zip(self.costs.units, options)]
             try:
-                solution = solve(choices, budget + extra, allowance)
-            except Infeasible as err:
-                failure = failure or err
-                continue
+                solution = solve(priced, budget, allowance)
+            except Infeasible:
+                if attempt == 0:
+                    raise
+                break
             plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
-            if credited and self.predicted_peak(plan, tokens) > limit:
-                continue
-            if best is None or solution.time < best[0]:
-                best = (solution.time, plan)
-        if best is None:
-            raise failure or Infeasible("no plan fits the memory budget")
-        return best[1]
+            fits = self.predicted_peak(plan, tokens) <= limit
+            if fits:
+                if plan in fitting:
+                    break
+                fitting.append(plan)
+            _, regions = self.costs.held_by_layer(plan, tokens)
+            for layer, extra in regions.items():
+                units = [u.name for u in self.costs.units if layer_of(u.name) == layer]
+                recomputed = sum(plan[n] == "recompute" for n in units)
+                for n in units:  # a plan that fits prices its layers as they are; one that does not, dearer
+                    share = extra / max(recomputed, 1)
+                    surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
+        bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
+        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
+        if not fitting:
+            raise Infeasible("no plan fits the memory budget")
+        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
+                   for p in fitting]
+        fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
+        return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
 
-    def _credited(self, options: list[list[Option]], tokens: int) -> tuple[list[list[Option]], float]:
-        """Options and extra budget in which a layer whose units all recompute is credited its region
-        saving s: each of its n units' other options cost s / n more, and the budget grows by s per
-        layer (memories stay >= 0, as the solver needs). Exact for whole layers, generous for partly
-        recomputed ones, which is why its plan is checked against the memory model."""
-        per_layer: dict[str, int] = {}
-        for u in self.costs.units:
-            if u.name.startswith("layers."):
-                per_layer[u.name.split(".")[1]] = per_layer.get(u.name.split(".")[1], 0) + 1
-        saving = self.costs.region_saving_bytes * self.costs.scale(tokens)
-        out = []
-        for u, opts in zip(self.costs.units, options):
-            share = saving / per_layer[u.name.split(".")[1]] if u.name.startswith("layers.") else 0.0
-            out.append([o if o.name == "recompute" else dataclasses.replace(o, memory=o.memory + share) for o in opts])
-        return out, saving * len(per_layer)
+    @staticmethod
+    def _allowed(plan: dict[str, str], exclude: tuple[str, str] | None) -> bool:
+        return exclude is None or plan.get(exclude[0]) != exclude[1]
 
     def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
         """The exact exposure of the micro-batch just planned (after its forward, before its backward),

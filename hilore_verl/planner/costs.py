@@ -41,9 +41,13 @@ from hilore_verl.timing import DeviceClock, fit_bandwidth
 class UnitProfile:
     name: str
     saved_bytes: float  # what the unit's saved tensors take (keep)
-    held_bytes: float  # what the unit holds when recomputed and its neighbours kept (inputs, replayed outputs)
+    held_bytes: float  # what the unit itself holds when recomputed, its layer's other units kept (its inputs)
     forward_s: float  # the unit's own forward time (children of other units excluded)
     compressible: float = 1.0  # share of saved bytes a codec can take (the rest, e.g. -inf masks, stays exact)
+    replay: dict[str, float] = dataclasses.field(default_factory=dict)
+    """What its layer holds more when it alone is recomputed (the layer is then one region), by the unit
+    of the layer that holds it (its name past "layers.<i>."; "" for outside every unit, the region's
+    inputs): the outputs of kept calls the re-run replays."""
     saved_quadratic: float = 0.0  # share of saved_bytes that grows with tokens squared (a dense mask over a packed row)
     forward_quadratic: float = 0.0  # the same for forward_s (attention over a packed row)
     forward_fixed: float = 0.0  # share of forward_s that does not grow with tokens (per-call overhead, launches)
@@ -89,7 +93,7 @@ class CostTable:
     def options(self, unit: UnitProfile, tokens: int, risk: Callable[[str, str], float] | None = None) -> list[Option]:
         """keep, recompute, then each format (and its offloaded variant when enabled)."""
         S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
-        H = unit.held_bytes * self.scale(tokens)  # inputs and outputs held: one row per token
+        H = unit.held_bytes * self.scale(tokens)  # its own inputs; its layer's region: `held`
         F = self.forward(unit, tokens)
         opts = [Option("keep", S, 0.0), Option("recompute", H, F)]
         if S > 0:
@@ -104,9 +108,76 @@ class CostTable:
                     opts.append(Option(fmt + "+offload", exact, codec_s + 2 * codes / self.host_bytes_per_s, r))
         return opts
 
+    def held(self, plan: dict[str, str], tokens: int) -> float:
+        """Bytes the plan's units hold at the end of the forward. A layer with recomputed units R is one
+        region: each holds its own inputs, and the layer holds what the re-run replays, once each: a
+        kept or compressed unit v's outputs if some u in R needed them alone (replay[v], the largest
+        over R; a replayed call's output is held or not, whatever needs it; a recomputed v replays
+        nothing), compressed as v's plan compresses, and the region's inputs (replay[""]). Whole
+        recomputed layers hold less still (`region_saving_bytes`, the caller's)."""
+        held, regions = self.held_by_layer(plan, tokens)
+        return held + sum(regions.values())
+
+    def held_by_layer(self, plan: dict[str, str], tokens: int) -> tuple[float, dict[str, float]]:
+        """`held` in two parts: what the units' options hold (a recomputed unit: its own inputs), and per
+        layer with recomputed units what it holds more as one region (`region_bytes`)."""
+        k, held = self.scale(tokens), 0.0
+        share: dict[str, float] = {}  # unit -> what its plan holds of its saves, per saved byte
+        layers: dict[str, list[UnitProfile]] = {}
+        for unit in self.units:
+            choice = plan.get(unit.name, "keep")
+            layers.setdefault(layer_of(unit.name), []).append(unit)
+            if choice == "recompute":
+                held += unit.held_bytes * k
+                continue
+            options = {o.name: o for o in self.options(unit, tokens)}
+            option = options.get(choice, options["keep"])  # a unit with nothing saved has no lossy option
+            held += option.memory
+            share[unit.name] = self.stored_share(unit, choice, options["keep"].memory, option.memory)
+        return held, {layer: self.region_bytes(members, share, k) for layer, members in layers.items()
+                      if any(u.name not in share for u in members)}
+
+    def region_bytes(self, members: list[UnitProfile], share: dict[str, float], k: float) -> float:
+        """What a layer with recomputed units (those of `members` not in `share`, the others' plans holding
+        `share` of each byte they keep) holds more as one region, at token scale k: per holder v (a
+        unit of the layer that is not recomputed), the outputs the re-run replays, if some recomputed u
+        needed them alone (replay[v], the largest over them; held or not, whatever needs it), as v's
+        plan holds them; and the region's inputs (replay[""]): the unit whose own recompute exposed
+        them most (their first saver) holds them otherwise, aliased when it keeps, but exact beside its
+        payload when it compresses."""
+        recomputed = [u for u in members if u.name not in share]
+        if not recomputed:
+            return 0.0
+        layer = layer_of(members[0].name)
+        held = 0.0
+        for part in {p for u in recomputed for p in u.replay if p}:
+            holder = f"layers.{layer}.{part}"
+            if holder in share:
+                held += max(u.replay.get(part, 0.0) for u in recomputed) * share[holder]
+        inputs = max(u.replay.get("", 0.0) for u in recomputed)
+        owner = max(members, key=lambda u: u.replay.get("", 0.0))
+        if owner.name in share:  # the inputs' first saver is not recomputed: aliased by what it stores
+            inputs = max(inputs, owner.replay.get("", 0.0) * (1.0 - share[owner.name]))
+        return (held + inputs) * k
+
+    def stored_share(self, unit: UnitProfile, choice: str, kept: float, memory: float) -> float:
+        """What a unit's plan holds of a byte it keeps: its option's share of its saved bytes, or for a unit
+        that saves nothing itself (its outputs are held only for a re-run) the format's payload ratio."""
+        if kept > 0:
+            return memory / kept
+        fmt, _, offload = choice.partition("+")
+        if fmt not in FORMATS:
+            return 1.0
+        return (1 - unit.compressible) + (0.0 if offload else unit.compressible * payload_ratio(
+            fmt, self.element_size, self.group_size))
+
     def transient(self, tokens: int) -> float:
         """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""
         return max((self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units), default=0.0)
+
+
+def layer_of(name: str) -> str:
+    return name.split(".")[1] if name.startswith("layers.") else name
 
 
 def _float_fields(obj) -> list[str]:
@@ -114,18 +185,23 @@ def _float_fields(obj) -> list[str]:
 
 
 def measured_values(costs: CostTable) -> list[float]:
-    """Every measured number of a table in a fixed order (each unit's float fields, then the table's):
-    what ranks average so that they plan from the same numbers. A new float field is included."""
-    return [getattr(u, n) for u in costs.units for n in _float_fields(u)] + [getattr(costs, n)
-                                                                           for n in _float_fields(costs)]
+    """Every measured number of a table in a fixed order (each unit's float fields and replay bytes, then
+    the table's): what ranks average so that they plan from the same numbers. A new float field is included."""
+    values = []
+    for u in costs.units:
+        values += [getattr(u, n) for n in _float_fields(u)] + [u.replay[p] for p in sorted(u.replay)]
+    return values + [getattr(costs, n) for n in _float_fields(costs)]
 
 
 def set_measured_values(costs: CostTable, values) -> None:
     """The inverse of `measured_values`."""
     it = iter(values)
-    for obj in [*costs.units, costs]:
-        for n in _float_fields(obj):
-            setattr(obj, n, float(next(it)))
+    for u in costs.units:
+        for n in _float_fields(u):
+            setattr(u, n, float(next(it)))
+        u.replay = {p: float(next(it)) for p in sorted(u.replay)}
+    for n in _float_fields(costs):
+        setattr(costs, n, float(next(it)))
 
 
 def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> dict[str, float]:
@@ -237,6 +313,16 @@ def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
     return getattr(stats.units[unit], figure) - stats.units[unit].pinned_bytes
 
 
+def _total(stats: RuntimeStats) -> int:
+    """Everything a probe's forward left held: units' stored bytes, unmanaged and index tensors."""
+    return stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+
+
+def _outside(stats: RuntimeStats) -> int:
+    """What a probe's forward left held outside every unit."""
+    return stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+
+
 def quadratic_share(small: float, large: float, r: float) -> float:
     """Share q of a figure at the larger probe that grows with tokens squared, from the figure at both
     probes (`r` = small tokens / large tokens): small / large = (1 - q) r + q r^2, q clipped to [0, 1]
@@ -298,8 +384,11 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         1. GC's plan                                what a layer recomputed as one region holds
         2. each probed layer kept (one probe each)  saved bytes per group; unmanaged bytes per layer
         3. the probed layers and the head int8      the compressible share per group
-        4. per unit of a probed layer: recomputed, the rest of its layer kept (the head recomputed
-           in the first)                            what a recomputed unit still holds
+        4. per unit of a probed layer: recomputed, the rest of its layer kept
+                                                    what a recomputed unit still holds, and what its
+                                                    layer (one region) holds more for it: its inputs,
+                                                    the kept calls' outputs the re-run replays
+           per head unit: recomputed                what the model holds more than with it kept
         5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
                                                     times and unmanaged bytes; per group, the fixed
                                                     share of forward times (against 1 and 2's own
@@ -341,6 +430,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         return {u.name: "keep" for u in probed if u.layer_index == layer}
 
     held: dict[str, float] = {}
+    replay: dict[str, dict[str, float]] = {}
     try:
         whole = probe({}, pair=True)
         keeps = {layer: probe(kept(layer), pair=True) for layer in probed_layers}
@@ -348,12 +438,19 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
             small_whole = probe({}, small_probe=True)
             small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
         int8 = probe({u.name: "int8" for u in probed + heads})
-        for i, u in enumerate(probed or heads):
-            extra = {**kept(u.layer_index), u.name: "recompute"}
-            extra.update({h.name: "recompute" for h in heads} if i == 0 else {})
-            stats = probe(extra)
+        for u in probed:
+            stats = probe({**kept(u.layer_index), u.name: "recompute"})
             held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
-            held.update({h.name: _unpinned(stats, h.name, "stored_bytes") for h in heads} if i == 0 else {})
+            # what its layer holds more for it, by holder: the kept calls' outputs it replays, its inputs
+            keep = keeps[u.layer_index]
+            # (signed: a save of the region's input that a kept unit made is counted outside units in a region)
+            replay[group[u.name]] = {v.name.split(".", 2)[2]: float(_unpinned(stats, v.name, "stored_bytes")
+                                                                    - _unpinned(keep, v.name, "stored_bytes"))
+                                     for v in probed if v.layer_index == u.layer_index and v is not u}
+            replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
+        for h in heads:  # what the model holds more with the head recomputed than with it kept, under GC
+            stats = probe({h.name: "recompute"})
+            held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
         overhead = runtime_overhead(runtime, run, clock)
     finally:
         runtime.set_plan(plan_before)
@@ -371,9 +468,9 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(int8, u.name, "stored_bytes")
         figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
     units = [UnitProfile(u.name, figures[group[u.name]][0], held[group[u.name]], times[u.name],
-                         figures[group[u.name]][1]) for u in runtime.units]
+                         figures[group[u.name]][1], replay=dict(replay.get(group[u.name], {}))) for u in runtime.units]
     # totals held at the end of the forward: every layer kept = GC's plan + its probed layer's difference
-    total = lambda st: st.stored_bytes + st.unmanaged_bytes + st.unmanaged_held_bytes + st.index_bytes  # noqa: E731
+    total = _total
     keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
                                             for layer, n in probed_layers.items())
     unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
@@ -395,8 +492,9 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
     saving = 0.0
     if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
-        summed = sum(u.held_bytes if u.name in gc_plan else u.saved_bytes for u in units) + unmanaged
-        saving = max((summed - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
+        table = CostTable(units, tokens, unmanaged, element_size)
+        gc_costs = {u.name: "recompute" if u.name in gc_plan else "keep" for u in units}
+        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
     nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)

@@ -102,6 +102,10 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
         for key in ("saved_bytes", "held_bytes", "forward_s"):
             _number(f"{where}.{key}", unit[key], lambda v: v >= 0, ">= 0")
         _number(f"{where}.compressible", unit["compressible"], lambda v: 0 <= v <= 1, "in [0, 1]")
+        if not isinstance(unit["replay"], dict) or not all(isinstance(k, str) for k in unit["replay"]):
+            raise ValueError(f"{where}.replay: expected an object of byte counts by unit, got {unit['replay']!r}")
+        for part, value in unit["replay"].items():
+            _number(f"{where}.replay[{part!r}]", value)
     names = [u["name"] for u in units]
     if len(set(names)) != len(names):
         raise ValueError("state.costs.units: a unit is listed twice")

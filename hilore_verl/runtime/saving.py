@@ -193,10 +193,7 @@ class SavedTensorHooks:
     def _adoptions(fwd) -> LiveKeyMap:
         """Per forward: storage -> (the unit that adopted it or None, whether it is held exact as a
         recomputed call's input), see `_adopted`."""
-        adopted = getattr(fwd, "adopted", None)
-        if adopted is None:
-            adopted = fwd.adopted = LiveKeyMap()
-        return adopted
+        return fwd.adopted
 
     @staticmethod
     def _keep(t, unit, fwd, pinned: bool = False) -> Kept:

@@ -1,0 +1,40 @@
+"""The plans the cost model ranks next to its choice: what a bench measures beside the chosen plan, so
+that "the planner's choice is the best" is a measured statement, not the model's own.
+
+Runner-ups by exclusion: for each unit, the best plan that does not give it the option the chosen plan
+gives it (one solve per unit, each the optimum of its restricted problem), then keep / recompute's own
+choice (no lossy option). Ranked by the cost model's step time; the chosen plan first.
+"""
+
+from __future__ import annotations
+
+from hilore_verl.planner.controller import Controller
+from hilore_verl.planner.solver import Infeasible
+
+
+def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l2: float = 0.0,
+                 allowance: float = 0.0) -> list[dict[str, str]]:
+    """Up to `count` distinct plans that fit the budget at `tokens`: the solver's, then its runner-ups by
+    predicted step time (`Controller.predicted_step_seconds`), and the exact (keep / recompute) plan if
+    it is not among them (so at most count + 1)."""
+    chosen = controller.plan_for(tokens, exposure_l2, allowance)
+    limit = controller.memory_budget_at(tokens) * controller.memory_factor * (1 + 1e-9)
+    found = {_key(chosen): chosen}
+    for unit, option in chosen.items():
+        try:
+            plan = controller.plan_for(tokens, exposure_l2, allowance, exclude=(unit, option))
+        except Infeasible:
+            continue
+        if controller.predicted_peak(plan, tokens) <= limit:
+            found.setdefault(_key(plan), plan)
+    seconds = lambda p: controller.predicted_step_seconds(p, tokens)  # noqa: E731
+    ranked = [chosen] + sorted((p for k, p in found.items() if k != _key(chosen)), key=seconds)
+    ranked = ranked[:count]
+    exact = controller.plan_for(tokens, exposure_l2, 0.0)
+    if _key(exact) not in {_key(p) for p in ranked}:
+        ranked.append(exact)
+    return ranked
+
+
+def _key(plan: dict[str, str]) -> tuple:
+    return tuple(sorted(plan.items()))

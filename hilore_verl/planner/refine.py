@@ -1,0 +1,68 @@
+"""Local search on a plan under the memory model: the solver prices units one by one, but a layer with
+recomputed units is one region whose bytes depend on the layer's whole plan (`CostTable.held_by_layer`).
+From a plan that fits, single-unit changes that the model says still fit and save the most time are
+taken one at a time until none is left. Each change is priced on its own layer only (its option's
+bytes and the layer's region bytes), so a pass costs units x options x layer size, not a model per
+candidate. A whole recomputed layer's region saving is credited only where every unit of the layer
+recomputes (the runtime's own test is wider), so the search errs towards fitting.
+"""
+
+from __future__ import annotations
+
+from hilore_verl.planner.costs import CostTable, layer_of
+from hilore_verl.planner.solver import Option
+
+MAX_MOVES = 1000  # a bound on the loop; each move saves time, so it ends long before on real plans
+
+
+def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, str], tokens: int, room: float,
+           risk2_budget: float) -> dict[str, str]:
+    """`options`: per unit of `costs.units`, the solver's options; `room`: bytes the units may hold more
+    than `plan` holds now under the model (the limit less the plan's predicted peak, >= 0)."""
+    units = costs.units
+    by_layer: dict[str, list[int]] = {}
+    for i, u in enumerate(units):
+        by_layer.setdefault(layer_of(u.name), []).append(i)
+    chosen = [next(k for k, o in enumerate(opts) if o.name == plan[u.name]) for u, opts in zip(units, options)]
+    k = costs.scale(tokens)
+    kept = [costs.options(u, tokens)[0].memory for u in units]  # "keep" comes first
+    saving = costs.region_saving_bytes * k
+
+    def layer_bytes(members: list[int], picks: dict[int, int]) -> float:
+        """What a layer's units hold under `picks` (member -> option index): options plus region bytes."""
+        held, share = 0.0, {}
+        for i in members:
+            o = options[i][picks[i]]
+            if o.name == "recompute":
+                held += units[i].held_bytes * k
+                continue
+            held += o.memory
+            share[units[i].name] = costs.stored_share(units[i], o.name, kept[i], o.memory)
+        if not units[members[0]].name.startswith("layers.") or len(share) == len(members):
+            return held
+        whole = not share
+        return held + costs.region_bytes([units[i] for i in members], share, k) - (saving if whole else 0.0)
+
+    risk2 = sum(options[i][c].risk ** 2 for i, c in enumerate(chosen))
+    for _ in range(MAX_MOVES):
+        best = None  # (time saved, unit, option, bytes more, risk^2 more)
+        for members in by_layer.values():
+            picks = {i: chosen[i] for i in members}
+            now = layer_bytes(members, picks)
+            for i in members:
+                current = options[i][chosen[i]]
+                for j, o in enumerate(options[i]):
+                    gain = current.time - o.time
+                    if j == chosen[i] or gain <= 0 or (best is not None and gain <= best[0]):
+                        continue
+                    more_risk = o.risk ** 2 - current.risk ** 2
+                    if risk2 + more_risk > risk2_budget * (1 + 1e-12):
+                        continue
+                    more = layer_bytes(members, {**picks, i: j}) - now
+                    if more <= room:
+                        best = (gain, i, j, more, more_risk)
+        if best is None:
+            break
+        _, i, j, more, more_risk = best
+        chosen[i], room, risk2 = j, room - more, risk2 + more_risk
+    return {u.name: options[i][c].name for i, (u, c) in enumerate(zip(units, chosen))}
