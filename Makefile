@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(PIP) install --quiet -c $(CONSTRAINTS) "$$(grep -E '^torch==' $(CONSTRAINTS))"
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[test]"
+	# the native CPU codec, built with this machine's C++ compiler into the user cache (a failed build
+	# is not fatal: the codec then falls back at run time, with one warning naming the reason)
+	$(PY) -m hilore_verl.kernels.cpu_native build || true
 	# the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, tokenizer, data; written here, no download)
 	$(VENV)/bin/hilore-verl tiny-task --out .tiny_cpu
 	# verl's own CPU tests, which its wheel does not carry: from the sdist of the installed release

@@ -83,7 +83,7 @@ def test_the_reference_runs_on_request(monkeypatch):
     q = kernels.quantize(torch.randn(4, 64), "int8", 64)
     assert not calls and isinstance(q, reference.QuantizedTensor)
     monkeypatch.setenv("HILORE_VERL_CPU_CODEC", "triton")
-    with pytest.raises(ValueError, match="HILORE_VERL_CPU_CODEC='triton'; valid: fused, reference"):
+    with pytest.raises(ValueError, match="HILORE_VERL_CPU_CODEC='triton'; valid: native, fused, reference"):
         kernels.quantize(torch.randn(4, 64), "int8", 64)
 
 
