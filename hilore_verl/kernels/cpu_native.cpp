@@ -18,6 +18,9 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -320,6 +323,21 @@ template <class F> void parallel_groups(int64_t n_groups, int gs, int n_threads,
     }
 }
 
+// A large output that the caller has just allocated is usually fresh mmap'd memory (glibc maps blocks
+// above 32 MiB itself): asking for transparent huge pages there turns ~16k page faults per 64 MiB
+// into 32. Advice only: where THP is off or the range is not eligible, nothing changes.
+void advise_huge(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+    if (bytes < (int64_t)(8 * kHuge)) return;
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + (uintptr_t)bytes) & ~(kHuge - 1);
+    if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);
+#else
+    (void)p; (void)bytes;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -333,6 +351,7 @@ int hv_quantize(const void* x, int dtype, int64_t n_groups, int gs, int fmt, int
     QFn fn = dtype == DT_F32 ? pick_q<DT_F32>(fmt, gs, sr) : dtype == DT_F16 ? pick_q<DT_F16>(fmt, gs, sr)
            : dtype == DT_BF16 ? pick_q<DT_BF16>(fmt, gs, sr) : nullptr;
     if (!fn) return -1;
+    advise_huge(codes, fmt == FMT_INT4 ? n_groups * gs / 2 : n_groups * gs);
     parallel_groups(n_groups, gs, n_threads,
                     [&](int64_t g0, int64_t g1) { fn(x, g0, g1, smix, codes, scales, flags); });
     return 0;
@@ -343,6 +362,7 @@ int hv_dequantize(const void* codes, const float* scales, int64_t n_groups, int 
     DFn fn = dtype == DT_F32 ? pick_d<DT_F32>(fmt, gs) : dtype == DT_F16 ? pick_d<DT_F16>(fmt, gs)
            : dtype == DT_BF16 ? pick_d<DT_BF16>(fmt, gs) : nullptr;
     if (!fn) return -1;
+    advise_huge(out, n_groups * gs * (dtype == DT_F32 ? 4 : 2));
     parallel_groups(n_groups, gs, n_threads,
                     [&](int64_t g0, int64_t g1) { fn(codes, scales, g0, g1, out, (uint16_t)bf16_nan); });
     return 0;
