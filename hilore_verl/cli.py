@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
                          rounds=args.rounds, min_rounds=args.min_rounds, target_ci=args.target_ci,
                          time_cap_s=args.time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
                          profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
-                         kl_coef=args.kl_coef)
+                         kl_coef=args.kl_coef, candidates=args.candidates)
     shape = (f"model {config.model} (random weights)" if config.model else
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "sweep's budgets; hit before the target, the interval reached is reported (default 600)")
     bench.add_argument("--rounds", type=_positive, default=None,
                        help="instead: exactly this many paired rounds per set (no target, no cap)")
+    bench.add_argument("--candidates", type=int, choices=range(0, 9), default=4, metavar="N",
+                       help="runner-ups of HiLoRe's plan (ranked by the cost model) run beside it at each budget of "
+                            "the sweep, plus keep / recompute's plan (0-8, default 4; 0: none)")
     bench.add_argument("--model", default=None, help="a preset (e.g. qwen2.5-1.5b) or HF model directory: its "
                                                      "architecture with random weights (default: the Qwen2 shape below)")
     bench.add_argument("--hidden", type=_positive, default=512)

@@ -45,13 +45,32 @@ def test_planners_and_sweep(report):
         assert m[name]["budget_bytes"] == pytest.approx(1.10 * m[name]["gc_peak_predicted_bytes"])
         assert 0 <= m[name]["controller_share"] < 0.2
     for name in ("keep_recompute", "hilore"):
-        rows = [r for r in report["sweep"] if r["method"] == name]
+        rows = [r for r in report["sweep"] if r["method"] == name and "candidate" not in r]
         assert [r["budget"] for r in rows] == [1.0, 1.1, 1.25, 1.5, "no_gc"]
         budgets = [r["budget_bytes"] for r in rows]
         assert budgets == sorted(budgets)
         assert all(r["predicted_peak_bytes"] <= r["budget_bytes"] * (1 + 1e-9) for r in rows)
         keeps = [r["plan_counts"].get("keep", 0) for r in rows]
         assert keeps == sorted(keeps)  # more memory, never fewer kept units
+
+
+def test_hilores_runner_ups_run_beside_its_choice(report):
+    """At each budget of the sweep (but no GC's, where every unit is kept), the plans the cost model ranks
+    next to HiLoRe's run in the same paired rounds; each fits the budget and differs from the choice."""
+    for budget in (1.0, 1.1, 1.25, 1.5):
+        chosen = next(r for r in report["sweep"] if r["method"] == "hilore" and r["budget"] == budget
+                      and "candidate" not in r)
+        rivals = [r for r in report["sweep"] if r["method"] == "hilore" and r["budget"] == budget and "candidate" in r]
+        plans = [tuple(sorted(r["plan"].items())) for r in rivals]
+        assert len(set(plans)) == len(plans)
+        for r in rivals:
+            assert r["predicted_peak_bytes"] <= r["budget_bytes"] * (1 + 1e-9) and r["tokens_per_s"] > 0
+            assert r["predicted_step_s"] > 0 and r["measured_step_s"] > 0
+        if rivals:
+            mean, low, high = chosen["x_fastest_runner_up"]
+            assert mean > 0 and chosen["fastest_runner_up"] in [r["candidate"] for r in rivals]
+            assert (low <= mean <= high) or r["rounds"] < 2  # one round has no interval
+    assert any(r.get("candidate") for r in report["sweep"])
 
 
 def test_report_outputs(report, tmp_path):

@@ -91,7 +91,11 @@ def _share(a, b) -> str:
 
 def _predicted_rows(report: dict) -> list[tuple[str, dict]]:
     rows = [(name, v) for name, v in report["methods"].items() if "predicted_step_s" in v]
-    return rows + [(f"{r['method']} @ {r['budget']}", r) for r in report["sweep"]]
+    return rows + [(_sweep_label(r), r) for r in report["sweep"]]
+
+
+def _sweep_label(row: dict) -> str:
+    return f"{row['method']} @ {row['budget']}" + (f" runner-up {row['candidate']}" if "candidate" in row else "")
 
 
 def table(report: dict) -> str:
@@ -144,13 +148,17 @@ def table(report: dict) -> str:
     if report["sweep"]:
         lines += ["", "budget sweep (each budget its own paired rounds with GC; predicted peak from the runtime's cost "
                   "table; time measured)", "",
-                  "| method | budget | budget MiB | tokens/s [95%] | x GC's throughput [95%] | rounds | plan |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| method | budget | budget MiB | tokens/s [95%] | x GC's throughput [95%] | rounds | plan | "
+                  "x fastest runner-up [95%] |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in report["sweep"]:
             low, high = row["tokens_per_s_ci"]
             tput = f"{row['tokens_per_s']:.0f}" + ("" if math.isnan(low) else f" [{low:.0f}, {high:.0f}]")
-            lines.append(f"| {row['method']} | {row['budget']} | {_mib(row['budget_bytes'])} | {tput} | "
-                         f"{ratio(row.get('x_gc'))} | {row['rounds']} | {row['plan_counts']} |")
+            rival = (f"{ratio(row['x_fastest_runner_up'])} (runner-up {row['fastest_runner_up']})"
+                     if "x_fastest_runner_up" in row else "-")
+            label = row["method"] + (f" runner-up {row['candidate']}" if "candidate" in row else "")
+            lines.append(f"| {label} | {row['budget']} | {_mib(row['budget_bytes'])} | {tput} | "
+                         f"{ratio(row.get('x_gc'))} | {row['rounds']} | {row['plan_counts']} | {rival} |")
     return "\n".join(lines)
 
 
@@ -211,7 +219,7 @@ def plot(report: dict, path: str) -> None:
                          f"\npredicted peak {_mib(v['predicted_peak_bytes'])} MiB")
             ax.annotate(note, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=6)
     for method in M.PLANNERS:
-        rows = [r for r in report["sweep"] if r["method"] == method]
+        rows = [r for r in report["sweep"] if r["method"] == method and "candidate" not in r]
         if rows:
             xs, ys = [r["predicted_peak_bytes"] / 2**20 for r in rows], [r["tokens_per_s"] for r in rows]
             ax.plot(xs, ys, "--", marker="x", label=f"{method} budget sweep (predicted peak)")

@@ -23,6 +23,7 @@ import time
 import torch
 
 from hilore_verl.bench import methods as M
+from hilore_verl.bench.candidates import candidate_controllers
 from hilore_verl.bench.peak import FIRST_STEP
 from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, save_json,  # noqa: F401 - re-exported
                                       save_markdown, summarize, table)
@@ -117,6 +118,12 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         progress.tick(f"gradient + warm-up {name}")
     variants = _sweep_controllers(built, points, batch)
     timer = _Timer(built, variants, batch)
+    if config.candidates and "hilore" in built:  # HiLoRe's runner-up plans beside its choice, per budget
+        for ratio in [r for r in SWEEP if ("hilore", r) in variants]:
+            timer.step(("hilore", ratio))  # its first plan: what the runner-ups are ranked against
+            chosen = variants[("hilore", ratio)]
+            for i, fixed in enumerate(candidate_controllers(chosen, config.candidates, timer.trained["hilore"])):
+                timer.add((("hilore", ratio, i + 1)), fixed)
     rule = stop_rule(config)
     ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in variants)]
     main_cap, sweep_cap = caps(rule.time_cap_s, len(ratios))
@@ -144,10 +151,15 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         for key in (k for k in st.times if isinstance(k, tuple)):
             controller, trained = variants[key], timer.trained[key[0]]
             last = controller.history[-1]
-            sweep_rows.append({"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
-                               **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
-                               "predicted_step_s": statistics.fmean(timer.predicted[key]),
-                               "ci_reached": st.reached, "plan_counts": _counts(last.plan)})
+            row = {"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
+                   **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
+                   "predicted_step_s": statistics.fmean(timer.predicted[key]),
+                   "ci_reached": st.reached, "plan_counts": _counts(last.plan)}
+            if len(key) > 2:  # a runner-up of HiLoRe's plan at this budget
+                row.update(candidate=key[2], plan=dict(last.plan))
+            else:
+                row.update(_against_runner_ups(st.times, key))
+            sweep_rows.append(row)
     if peaks:
         with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
             for name in methods:
@@ -171,6 +183,15 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     return report
 
 
+def _against_runner_ups(times: dict, key: tuple) -> dict:
+    """The chosen plan's throughput over its fastest measured runner-up's (paired, [mean, low, high])."""
+    rivals = [k for k in times if isinstance(k, tuple) and len(k) > 2 and k[:2] == key]
+    if not rivals:
+        return {}
+    fastest = min(rivals, key=lambda k: statistics.fmean(times[k]))
+    return {"fastest_runner_up": fastest[2], "x_fastest_runner_up": list(paired_ratio_ci(times[fastest], times[key]))}
+
+
 def stop_rule(config: BenchConfig) -> StopRule:
     return StopRule(config.target_ci, config.min_rounds, config.time_cap_s, config.rounds)
 
@@ -186,6 +207,11 @@ class _Timer:
         self.timed: dict = {}
         self.planning: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
+
+    def add(self, key: tuple, controller: Controller) -> None:
+        """Another (planner, budget, ...) key, stepped with `controller`."""
+        self.variants[key] = controller
+        self.planning[key], self.predicted[key] = [], []
 
     def step(self, key) -> float:
         name = key[0] if isinstance(key, tuple) else key

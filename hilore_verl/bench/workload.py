@@ -55,6 +55,9 @@ class BenchConfig:
     """Stop a set when every 95% interval of a throughput over GC's is within +- this share of the ratio."""
     time_cap_s: float = 600.0
     """Seconds of timed rounds for the whole run: half for the methods' set, half shared by the sweep's budgets."""
+    candidates: int = 4
+    """Runner-ups of HiLoRe's plan run beside it at each budget of the sweep (planner/ranking.py), plus
+    keep / recompute's plan where it differs; 0: none."""
     seed: int = 0
     model: str | None = None
     """A preset or HF model directory: its architecture (random weights) instead of the Qwen2 shape above."""

@@ -256,16 +256,15 @@ class Controller:
         # plan spread over the layer's units as a surcharge on recomputing them (raised, never lowered:
         # the surcharges only grow, and the plans fit sooner or later); the exact plans that bound the
         # search (GC's, every unit recomputed) compete where they fit.
-        fitting, surcharge = [], {}
-        for attempt in range(MAX_RESOLVES):
+        fitting, surcharge, failure = [], {}, None
+        for _ in range(MAX_RESOLVES):
             priced = [[dataclasses.replace(o, memory=o.memory + surcharge[u.name])
                        if o.name == "recompute" and u.name in surcharge else o for o in opts]
                       for u, opts in zip(self.costs.units, options)]
             try:
                 solution = solve(priced, budget, allowance)
-            except Infeasible:
-                if attempt == 0:
-                    raise
+            except Infeasible as err:  # priced one by one, a whole recomputed layer can look too dear
+                failure = err
                 break
             plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
             fits = self.predicted_peak(plan, tokens) <= limit
@@ -283,7 +282,7 @@ class Controller:
         bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
         fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
         if not fitting:
-            raise Infeasible("no plan fits the memory budget")
+            raise failure or Infeasible("no plan fits the memory budget")
         refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
                    for p in fitting]
         fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting

@@ -1,0 +1,33 @@
+"""The plans the cost model ranks next to HiLoRe's choice, run beside it in a budget's paired rounds: the
+chosen plan is the best only if none of them is measured faster (planner/ranking.py ranks them).
+
+Each candidate runs through the same method (the engine's session, its skip and hooks) under a
+controller that plans exactly that plan at every micro-batch, so its rounds differ from the chosen
+plan's in the plan alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hilore_verl.planner import Controller
+from hilore_verl.planner.ranking import ranked_plans
+
+
+@dataclass
+class FixedPlan(Controller):
+    """A controller whose every micro-batch gets `fixed` (its memory model and metrics as any other's)."""
+    fixed: dict[str, str] = field(default_factory=dict)
+
+    def _choose(self, l2: float, tokens: int, allowance: float) -> tuple[dict[str, str], bool]:
+        return dict(self.fixed), False
+
+
+def candidate_controllers(chosen: Controller, count: int, tokens: int) -> list[FixedPlan]:
+    """Up to `count` runner-ups of the plan `chosen` gave its last micro-batch (at `tokens`, that micro-batch's
+    exposure and risk allowance), plus keep / recompute's plan: one fixed-plan controller each."""
+    last = chosen.history[-1]
+    plans = ranked_plans(chosen, tokens, count + 1, chosen.exposure_l2(0), last.risk_allowance)
+    return [FixedPlan(chosen.runtime, chosen.costs, chosen.risk, chosen.budget, static_bytes=chosen.static_bytes,
+                      risk_budget=chosen.risk_budget, token_bucket=chosen.token_bucket, measure_baseline=False,
+                      fixed=plan) for plan in plans if plan != last.plan][:count + 1]
