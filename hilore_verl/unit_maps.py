@@ -12,7 +12,7 @@ guessed, is used only once `resolve_block` proves it complete on the block it is
 
   - every parameter of the block sits under a unit's modules (nothing unmanaged);
   - no module in two units; a guessed map finds every one of its units;
-  - (at the first profiled forward: every unit's modules ran; planner/costs.py)
+  - (at the first profiled forward: every unit's modules ran; planner/profiling.py)
 
 Otherwise `attach` raises one ValueError naming the block class, its children and how to add a
 map, and changes nothing on the model.

@@ -9,8 +9,8 @@ import torch
 
 import hilore_verl
 from hilore_verl.planner import CostTable, UnitProfile, profile
-from hilore_verl.planner import costs
-from hilore_verl.planner.costs import fixed_share, quadratic_share, sample_bytes
+from hilore_verl.planner import profiling as costs
+from hilore_verl.planner.profiling import fixed_share, quadratic_share, sample_bytes
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.units import unit_kind

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from hilore_verl.planner import costs
+from hilore_verl.planner import profiling as costs
 from hilore_verl.timing import DeviceClock
 from tests.test_planner_on_cpu import _tiny_probe
 

@@ -58,7 +58,7 @@ def probe_indices(lengths: Sequence[int], max_tokens: int, priority: Sequence[fl
 
 def half_probe(lengths: Sequence[int], index: Sequence[int]) -> list[int] | None:
     """Of the probe's sequences `index`, the first ones with at most half its tokens (the profile's
-    second, smaller probe, see costs.profile); None when that leaves nothing smaller (one sequence):
+    second, smaller probe, see profiling.profile); None when that leaves nothing smaller (one sequence):
     then every figure scales linearly."""
     tokens = sum(int(lengths[i]) for i in index)
     sub = [index[j] for j in probe_indices([lengths[i] for i in index], tokens // 2)]

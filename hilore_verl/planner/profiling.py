@@ -1,0 +1,335 @@
+"""Profiling: the probe runs that measure a CostTable (planner/costs.py) on a model's runtime.
+
+What each probe runs and what it measures is in `profile`'s docstring; the figures and how they scale
+with tokens are the cost model's (costs.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from hilore_verl.kernels import payload_ratio, quantize
+from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.runtime import Runtime
+from hilore_verl.runtime.stats import RuntimeStats
+from hilore_verl.units import unit_kind
+from hilore_verl.timing import DeviceClock, fit_bandwidth
+
+
+def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> dict[str, float]:
+    """Forward time per unit: each unit-module call timed on the device, minus its child unit-module
+    calls. Marks are read after the run (CUDA events), so timing adds no synchronization per call there."""
+    stack: list[list] = []
+    calls: list[list] = []  # [unit name, start mark, end mark, child calls]
+    handles = []
+    unit_of = runtime.unit_modules
+
+    def pre(module, args):
+        if torch.is_grad_enabled() and not runtime.recomputing:
+            call = [unit_of[module].name, clock.mark(), None, []]
+            if stack:
+                stack[-1][1][3].append(call)
+            stack.append((module, call))
+
+    def post(module, args, output):
+        if not stack or stack[-1][0] is not module:
+            return
+        _, call = stack.pop()
+        call[2] = clock.mark()
+        calls.append(call)
+
+    for module in unit_of:
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    totals: dict[str, float] = {}  # only units that ran
+    for name, start, end, children in calls:
+        elapsed = clock.seconds(start, end)
+        own = elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
+        totals[name] = totals.get(name, 0.0) + own
+    return totals
+
+
+SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned
+SAMPLE_MAX_BYTES = 512 * 2**20
+CPU_SAMPLE_ELEMENTS = 1024 * 1024  # the CPU is bandwidth-bound at a few MiB: keep its probe cheap
+REPEATS = 3
+
+
+def _parts(clock: DeviceClock) -> int:
+    """How `fit_bandwidth` splits the sample: a quarter off the CPU; on the CPU, where a call's fixed
+    time is small against a few MiB and two sizes' difference is mostly noise, one size (parts 1)."""
+    return 1 if clock.device.type == "cpu" else 4
+
+
+def sample_bytes(device: torch.device, largest: float, element_size: int) -> int:
+    """Size of the codec and host-copy samples: on the CPU a fixed 1M elements; elsewhere the probe's
+    `largest` unit's saved bytes, at least SAMPLE_MIN_BYTES, at most SAMPLE_MAX_BYTES and an eighth of
+    the device's free memory (the codec's output and the copies' buffers come on top). A whole number
+    of 4 rows of 1024 elements (the fit's smaller size is a quarter)."""
+    row = 4 * 1024 * element_size
+    if device.type == "cpu":
+        return CPU_SAMPLE_ELEMENTS * element_size
+    module = torch.get_device_module(device.type)
+    free = module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else 8 * SAMPLE_MAX_BYTES
+    return max(int(min(max(largest, SAMPLE_MIN_BYTES), SAMPLE_MAX_BYTES, free // 8)) // row, 1) * row
+
+
+def codec_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
+    """Activation bytes per second of quantize + dequantize (int8), counted twice (the table prices a
+    unit's codec time as 2 S / codec_bytes_per_s): the slope of `fit_bandwidth` over `sample` and its
+    first quarter, so that a call's launch overhead is not read as low bandwidth (on the CPU: the
+    sample's throughput)."""
+    row = sample[0].numel() * sample.element_size()
+
+    def seconds(nbytes: int) -> float:
+        part = sample[: nbytes // row]
+        return clock.time(lambda: quantize(part, "int8", 64).dequantize(), REPEATS)
+
+    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
+
+
+def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+
+
+def host_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
+    """Bytes per second one way between the device and the host, as the runtime's offload copies
+    (runtime/offload.py): into a pinned host buffer and back, non-blocking on a side stream, timed by
+    events on that stream; on the CPU synchronous copies (the offload's path there). The slope of
+    `fit_bandwidth` over the round trip of `sample` and of its first quarter (on the CPU: the
+    sample's throughput)."""
+    side = clock.module.Stream() if clock.events else None
+    host, back = host_buffer(sample, pinned=clock.events), torch.empty_like(sample)
+    flat = [t.view(-1) for t in (sample, host, back)]
+
+    def seconds(nbytes: int) -> float:
+        src, buf, dst = (t[: nbytes // sample.element_size()] for t in flat)
+
+        def trip():
+            buf.copy_(src, non_blocking=clock.events)  # forward: to the host
+            dst.copy_(buf, non_blocking=clock.events)  # backward: back to the device
+
+        return clock.time(trip, REPEATS, stream=side)
+
+    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
+
+
+def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
+    """A unit's saved or stored bytes less its pinned ones (kept exact in every mode: fixed memory,
+    which `profile` counts with the unmanaged bytes instead of in any option of the unit)."""
+    return getattr(stats.units[unit], figure) - stats.units[unit].pinned_bytes
+
+
+def _total(stats: RuntimeStats) -> int:
+    """Everything a probe's forward left held: units' stored bytes, unmanaged and index tensors."""
+    return stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+
+
+def _outside(stats: RuntimeStats) -> int:
+    """What a probe's forward left held outside every unit."""
+    return stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+
+
+def quadratic_share(small: float, large: float, r: float) -> float:
+    """Share q of a figure at the larger probe that grows with tokens squared, from the figure at both
+    probes (`r` = small tokens / large tokens): small / large = (1 - q) r + q r^2, q clipped to [0, 1]
+    (a fixed part, e.g. per-call overhead, reads as q < 0: `fixed_share` prices it)."""
+    if large <= 0 or not 0 < r < 1:
+        return 0.0
+    return min(max((r - small / large) / (r - r * r), 0.0), 1.0)
+
+
+def fixed_share(small: float, large: float, r: float, noise: float = 0.0) -> float:
+    """Share a of a figure at the larger probe that does not grow with tokens (per-call overhead: a
+    GPU's launches, or the host's module calls, which bound a small probe), from the figure at both
+    probes: small / large = a + (1 - a) r, where the figure grew less than linearly (r < small /
+    large) by more than `noise` (the ratio's relative uncertainty). A figure that did not grow at all
+    (small / large >= 1) is all fixed: a = 1. Otherwise 0, priced linearly as without a second
+    probe: growth at least linear is the quadratic share's, and growth that noise cannot tell from
+    linear is not measured. (Pricing a fixed cost linearly would scale a tiny probe's call overhead
+    with the tokens of a micro-batch many times its size.)"""
+    if large <= 0 or not 0 < r < 1:
+        return 0.0
+    ratio = small / large
+    if not r < ratio * (1 - noise):
+        return 0.0
+    return min((ratio - r) / (1 - r), 1.0)
+
+
+def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per group (`group`: unit -> group), over `runs` (unit -> time, one per probe) of its units' summed
+    times: (the fastest, the spread (slowest - fastest) / fastest), inf where a unit did not run."""
+    totals: dict[str, list[float]] = {}
+    for timed in runs:
+        per: dict[str, float] = {}
+        for name, g in group.items():
+            per[g] = per.get(g, 0.0) + timed.get(name, math.inf)
+        for g, t in per.items():
+            totals.setdefault(g, []).append(t)
+    out = {}
+    for g, ts in totals.items():
+        lo, hi = min(ts), max(ts)
+        out[g] = (lo, (hi - lo) / lo if 0 < lo and math.isfinite(hi) else math.inf)
+    return out
+
+
+def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
+            small: tuple[Callable[[], None], int] | None = None, **kwargs) -> CostTable:
+    """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
+    `small`: (run, tokens) of a probe of about half the tokens, on which the kept-layer and GC probes
+    run again to find what grows faster than linearly (attention over a packed row: its dense mask and
+    its time); without it every figure scales linearly.
+
+    Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
+    as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
+    one layer's activations. There is one probed layer per layer variant (layers whose units have
+    the same groups, units.py: e.g. the dense and the MoE layers of DeepSeek-V3), the middle one of
+    its variant; its figures stand for every unit of the same group. Every probe times every unit's
+    own forward (CUDA events: no synchronization per call); a unit's time is its fastest. A unit
+    that never ran is a unit map that does not fit the model: ValueError.
+
+        1. GC's plan                                what a layer recomputed as one region holds
+        2. each probed layer kept (one probe each)  saved bytes per group; unmanaged bytes per layer
+        3. the probed layers and the head int8      the compressible share per group
+        4. per unit of a probed layer: recomputed, the rest of its layer kept
+                                                    what a recomputed unit still holds, and what its
+                                                    layer (one region) holds more for it: its inputs,
+                                                    the kept calls' outputs the re-run replays
+           per head unit: recomputed                what the model holds more than with it kept
+        5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
+                                                    times and unmanaged bytes; per group, the fixed
+                                                    share of forward times (against 1 and 2's own
+                                                    times, their spread as the noise)
+
+    Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
+    and hands-off, twice each: the runtime's overhead. Then codec and host-copy bandwidths, on samples
+    the size of the largest unit's saved bytes.
+    """
+    plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
+    device = next(runtime.model.parameters()).device
+    clock = DeviceClock(device)
+    group = {u.name: u.group or unit_kind(u.name) for u in runtime.units}
+    # one probed layer per layer variant (its units' groups): the middle one of the layers of that variant
+    by_variant: dict[tuple, list[int]] = {}
+    for index in sorted({u.layer_index for u in runtime.units if u.layer_index is not None}):
+        key = tuple(group[u.name] for u in runtime.units if u.layer_index == index)
+        by_variant.setdefault(key, []).append(index)
+    probed_layers = {found[len(found) // 2]: len(found) for found in by_variant.values()}  # layer -> layers like it
+    probed = [u for u in runtime.units if u.layer_index in probed_layers]
+    heads = [u for u in runtime.units if u.layer_index is None]
+    gc_plan = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
+
+    # every probe times each unit's forward; a unit's time is its fastest (the least disturbed)
+    times: dict[str, float] = {u.name: math.inf for u in runtime.units}
+    small_times = dict(times)
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}  # probes 1 and 2's unit times, by size
+
+    def probe(extra: dict, small_probe: bool = False, pair: bool = False) -> RuntimeStats:
+        runtime.set_plan({**gc_plan, **extra})
+        timed = _unit_times(runtime, small[0] if small_probe else run, clock)
+        best = small_times if small_probe else times
+        best.update({n: min(best[n], t) for n, t in timed.items()})
+        if pair or small_probe:
+            runs[small_probe].append(timed)
+        return runtime.stats()
+
+    def kept(layer: int) -> dict:
+        return {u.name: "keep" for u in probed if u.layer_index == layer}
+
+    held: dict[str, float] = {}
+    replay: dict[str, dict[str, float]] = {}
+    try:
+        whole = probe({}, pair=True)
+        keeps = {layer: probe(kept(layer), pair=True) for layer in probed_layers}
+        if small is not None:
+            small_whole = probe({}, small_probe=True)
+            small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
+        int8 = probe({u.name: "int8" for u in probed + heads})
+        for u in probed:
+            stats = probe({**kept(u.layer_index), u.name: "recompute"})
+            held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
+            # what its layer holds more for it, by holder: the kept calls' outputs it replays, its inputs
+            keep = keeps[u.layer_index]
+            # (signed: a save of the region's input that a kept unit made is counted outside units in a region)
+            replay[group[u.name]] = {v.name.split(".", 2)[2]: float(_unpinned(stats, v.name, "stored_bytes")
+                                                                    - _unpinned(keep, v.name, "stored_bytes"))
+                                     for v in probed if v.layer_index == u.layer_index and v is not u}
+            replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
+        for h in heads:  # what the model holds more with the head recomputed than with it kept, under GC
+            stats = probe({h.name: "recompute"})
+            held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
+        overhead = runtime_overhead(runtime, run, clock)
+    finally:
+        runtime.set_plan(plan_before)
+    never = [n for n, t in times.items() if t == math.inf]
+    if never:  # a unit map that names modules the model does not call in its training forward
+        blocks = sorted({type(u.block).__name__ for u in runtime.units if u.name in never and u.block is not None})
+        raise ValueError(f"hilore-verl: units {', '.join(never[:6])}{' ...' if len(never) > 6 else ''} never ran in "
+                         f"the training forward: the unit map of {', '.join(blocks) or 'the head'} names modules "
+                         "this model does not call (see hilore_verl/unit_maps.py)")
+    first = next(iter(keeps.values()), whole)
+    r8 = payload_ratio("int8", element_size)
+    figures = {}  # group -> (saved bytes, compressible share), from the probed layers and the head
+    for u in probed + heads:
+        keep = keeps.get(u.layer_index, first)
+        saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(int8, u.name, "stored_bytes")
+        figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
+    units = [UnitProfile(u.name, figures[group[u.name]][0], held[group[u.name]], times[u.name],
+                         figures[group[u.name]][1], replay=dict(replay.get(group[u.name], {}))) for u in runtime.units]
+    # totals held at the end of the forward: every layer kept = GC's plan + its probed layer's difference
+    total = _total
+    keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
+                                            for layer, n in probed_layers.items())
+    unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
+    unmanaged_q = 0.0
+    if small is not None:  # how each figure grew from the small probe to this one
+        r = small[1] / tokens
+        small_first = next(iter(small_keeps.values()), small_whole)
+        saved_small = {group[u.name]: _unpinned(small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
+                       for u in probed + heads}
+        # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
+        sized = [_group_times({u.name: group[u.name] for u in units}, runs[size]) for size in (True, False)]
+        for u in units:
+            u.saved_quadratic = quadratic_share(saved_small[group[u.name]], u.saved_bytes, r)
+            u.forward_quadratic = quadratic_share(small_times[u.name], u.forward_s, r)
+            (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
+            u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
+        unmanaged_small = max(keep_all(small_whole, small_keeps)
+                              - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
+        unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
+    saving = 0.0
+    if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
+        table = CostTable(units, tokens, unmanaged, element_size)
+        gc_costs = {u.name: "recompute" if u.name in gc_plan else "keep" for u in units}
+        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
+    # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
+    dtype = torch.float32 if element_size == 4 else torch.bfloat16
+    nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
+    sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
+    codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
+    return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
+                     unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
+
+
+def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> float:
+    """Seconds a pass of HF checkpointing's plan takes through the runtime's hooks over the same plan run
+    hands-off (the fastest of two each, interleaved); 0 when the model had no checkpointing to compare."""
+    plan = runtime.checkpoint_plan()
+    if plan is None:
+        return 0.0
+    best = {True: math.inf, False: math.inf}
+    for _ in range(2):
+        for hooked in (True, False):
+            runtime.set_plan(plan, measure=hooked)
+            start = clock.mark()
+            run()
+            best[hooked] = min(best[hooked], clock.seconds(start, clock.mark()))
+    return max(best[True] - best[False], 0.0)
