@@ -87,11 +87,12 @@ def test_the_reference_runs_on_request(monkeypatch):
         kernels.quantize(torch.randn(4, 64), "int8", 64)
 
 
-def test_the_runtime_on_the_fused_codec_gives_the_reference_codec_gradients(monkeypatch):
+@pytest.mark.parametrize("compiled", ["fused", "native"])
+def test_the_runtime_on_a_compiled_codec_gives_the_reference_codec_gradients(compiled, monkeypatch):
     model = build_tiny_model("qwen2", seed=0, dtype=torch.bfloat16).train()
     other = copy.deepcopy(model)
     grads = []
-    for m, codec in ((model, "fused"), (other, "reference")):
+    for m, codec in ((model, compiled), (other, "reference")):
         monkeypatch.setenv("HILORE_VERL_CPU_CODEC", codec)
         rt = attach(m)
         rt.set_plan({"layers.0": "int8", "layers.1": "fp8", "head": "int4"})

@@ -1,16 +1,13 @@
 """The native CPU codec (kernels/cpu_native.cpp): bitwise the reference (codes, scales, flags and decoded
 values as raw bits), the default CPU path where it builds, and a fallback with one warning where not."""
 
-import copy
 import logging
 
 import pytest
 import torch
 
-from hilore_verl import attach, kernels
+from hilore_verl import kernels
 from hilore_verl.kernels import cpu_native, reference
-from hilore_verl.tiny_models import build_tiny_model
-from tests.harness.models import policy_gradient_step
 
 FLT_MAX = torch.finfo(torch.float32).max
 _BIG = {torch.float32: FLT_MAX, torch.bfloat16: 3.3895e38, torch.float16: 65504.0}
@@ -154,16 +151,3 @@ def test_portable_build_is_bitwise_the_reference(fresh_native, monkeypatch, caps
         for fmt in ("int8", "fp8", "int4"):
             for stochastic in (False, True):
                 _assert_bitwise(_special((7, 128), dtype), fmt, 64, stochastic)
-
-
-def test_the_runtime_on_the_native_codec_gives_the_reference_codec_gradients(monkeypatch):
-    model = build_tiny_model("qwen2", seed=0, dtype=torch.bfloat16).train()
-    other = copy.deepcopy(model)
-    grads = []
-    for m, codec in ((model, "native"), (other, "reference")):
-        monkeypatch.setenv("HILORE_VERL_CPU_CODEC", codec)
-        rt = attach(m)
-        rt.set_plan({"layers.0": "int8", "layers.1": "fp8", "head": "int4"})
-        grads.append(policy_gradient_step(m)[1])
-        assert rt.stats().units["layers.0.mlp.proj"].stored_bytes < rt.stats().units["layers.0.mlp.proj"].saved_bytes
-    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[1])
