@@ -39,7 +39,7 @@ from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile, layer_of
 from hilore_verl.planner.refine import refine
-from hilore_verl.planner.solver import Infeasible, Option, solve
+from hilore_verl.planner.solver import Infeasible, solve
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
@@ -107,7 +107,7 @@ class Controller:
             return self.budget.value * self.predicted_peak(self.gc_plan(), tokens)
         return self.memory_budget
 
-    def _limit(self, tokens: int) -> float:
+    def limit(self, tokens: int) -> float:
         """The peak a plan for `tokens` may predict (the budget, tightened, plus rounding slack)."""
         return self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
 
@@ -147,7 +147,7 @@ class Controller:
         start = time.perf_counter()
         keep = {u.name: "keep" for u in self.costs.units}
         # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
-        cached = (keep, False) if self.predicted_peak(keep, tokens) <= self._limit(tokens) else self._cache.get(key)
+        cached = (keep, False) if self.predicted_peak(keep, tokens) <= self.limit(tokens) else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
                 cached = self._cache[key] = self._choose(l2, bucket, allowance)
@@ -155,7 +155,7 @@ class Controller:
                 cached = self._choose(l2, tokens, allowance)
         plan, choice = cached
         peak = self.predicted_peak(plan, tokens)
-        if peak > self._limit(tokens):
+        if peak > self.limit(tokens):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
             plan, choice = self._choose(l2, tokens, allowance)
@@ -228,7 +228,7 @@ class Controller:
         baselines += [checkpoint] if checkpoint is not None else []
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
-        limit, seconds = self._limit(tokens), self.plan_seconds(plan, tokens)
+        limit, seconds = self.limit(tokens), self.plan_seconds(plan, tokens)
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
                 if self.predicted_peak(b, tokens) <= limit]
         if not fits:
@@ -249,7 +249,7 @@ class Controller:
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
         budget = self.activation_budget(tokens)
-        limit = self._limit(tokens)
+        limit = self.limit(tokens)
         # Units are priced one by one (a recomputed unit at what it holds itself); what a layer holds more
         # as one region (its inputs, the outputs it replays) only the memory model knows. So the solver
         # runs again while the model says its plan does not fit, each layer's region bytes of the last

@@ -18,7 +18,7 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
     predicted step time (`Controller.predicted_step_seconds`), and the exact (keep / recompute) plan if
     it is not among them (so at most count + 1)."""
     chosen = controller.plan_for(tokens, exposure_l2, allowance)
-    limit = controller.memory_budget_at(tokens) * controller.memory_factor * (1 + 1e-9)
+    limit = controller.limit(tokens)
     found = {_key(chosen): chosen}
     for unit, option in chosen.items():
         try:

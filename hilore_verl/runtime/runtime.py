@@ -71,7 +71,9 @@ class _Forward:
     frames: list[CallRecord] = field(default_factory=list)
     registry: dict[int, _Entry] = field(default_factory=dict)
     compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
-    adopted: LiveKeyMap = field(default_factory=LiveKeyMap)  # made outside units: its owner (saving._adopted)
+    # storage made outside units -> (the unit that adopted it or None, whether it is held exact as a recomputed
+    # call's input): saving._adopted
+    adopted: LiveKeyMap = field(default_factory=LiveKeyMap)
     stats: StepStats | None = None
     rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
     region: Region | None = None  # the region being recorded

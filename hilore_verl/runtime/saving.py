@@ -23,7 +23,7 @@ import torch.nn as nn
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import (Checked, Compressed, Kept, LiveKeyMap, Unchecked, VersionWatch, geometry_of,
+from hilore_verl.runtime.records import (Checked, Compressed, Kept, Unchecked, VersionWatch, geometry_of,
                                          storage_id, storage_key)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -174,7 +174,7 @@ class SavedTensorHooks:
         input and saves it again). None (`t` stays outside units, kept as it is) where the owner
         recomputes and another unit's call saves it, or where the owner compresses and `t` is held exact
         already as a recomputed call's input (a payload beside it would save nothing)."""
-        adopted = self._adoptions(fwd)
+        adopted = fwd.adopted
         key = (storage_id(t),)
         owner, held_exact = adopted.get(key) or (None, False)
         if owner is None:
@@ -188,12 +188,6 @@ class SavedTensorHooks:
         if mode == Mode.COMPRESS and held_exact:
             return None
         return self._store(t, owner, None, None, None, fwd)
-
-    @staticmethod
-    def _adoptions(fwd) -> LiveKeyMap:
-        """Per forward: storage -> (the unit that adopted it or None, whether it is held exact as a
-        recomputed call's input), see `_adopted`."""
-        return fwd.adopted
 
     @staticmethod
     def _keep(t, unit, fwd, pinned: bool = False) -> Kept:
@@ -293,7 +287,7 @@ class SavedTensorHooks:
             kept = Kept(t, alias=not isinstance(t, nn.Parameter))
             self._fwd.stats.add_unmanaged_held(kept.tensor)
             if entry is not None and entry.unit is None:  # a later save by a compressed unit shares it
-                adopted, key = self._adoptions(self._fwd), (storage_id(t),)
+                adopted, key = self._fwd.adopted, (storage_id(t),)
                 owner, _ = adopted.get(key) or (None, False)
                 adopted.put(key, t, (owner, True))
             return kept
