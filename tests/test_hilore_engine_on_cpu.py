@@ -17,11 +17,13 @@ WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_respo
 
 def _gpu_like_profile(real_profile):
     """On CPU the torch reference codec is slower than recomputing these tiny units, so the planner
-    rightly recomputes; give the measured table a GPU's proportions so that compression is worth it."""
+    rightly recomputes; give the measured table a GPU's proportions so that compression is worth it.
+    The hooks' overhead is set too (none, as on a GPU): measured, it made the plan depend on the host's
+    timing (a slow probe priced the hands-off baseline cheaper and no unit compressed)."""
     import dataclasses
 
     def profile(*args, **kwargs):
-        costs = dataclasses.replace(real_profile(*args, **kwargs), codec_bytes_per_s=1e12)
+        costs = dataclasses.replace(real_profile(*args, **kwargs), codec_bytes_per_s=1e12, runtime_overhead_s=0.0)
         costs.units = [dataclasses.replace(u, forward_s=1e-3) for u in costs.units]
         return costs
 
