@@ -70,6 +70,22 @@ def test_the_minimum_rounds_run_even_when_resolved_or_out_of_time():
     assert result.rounds == 4 and result.stopped_by == "time cap"
 
 
+def test_warm_up_rounds_run_every_key_and_are_not_timed():
+    calls = []
+
+    def step(key):  # each key's first step slow, as the first round after other work is on the CPU
+        calls.append(key)
+        return 10.0 if calls.count(key) == 1 else 1.0 + 0.01 * len(calls)
+
+    result = run_rounds("methods", ["gc", "hilore"], step, StopRule(fixed=3), 1e6, log=lambda line: None)
+    assert calls[:2] == ["gc", "hilore"] and len(calls) == 8  # one untimed round, then three timed
+    assert all(len(v) == 3 and max(v) < 10 for v in result.times.values()), result.times
+    result = run_rounds("methods", ["gc"], step, StopRule(fixed=2, warmup=0), 1e6, log=lambda line: None)
+    assert result.times["gc"] == [1.0 + 0.01 * 9, 1.0 + 0.01 * 10]
+    with pytest.raises(ValueError):
+        StopRule(warmup=-1)
+
+
 def test_a_fixed_count_has_no_target_and_no_cap():
     result, _ = _run({"gc": 0.0, "hilore": 0.0}, StopRule(fixed=7), cap=0.5)
     assert result.rounds == 7 and result.stopped_by == "fixed" and result.reached and result.cap_s is None

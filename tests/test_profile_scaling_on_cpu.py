@@ -224,11 +224,11 @@ def _affine_profile(monkeypatch, noisy: bool = False):
     real, calls = costs._unit_times, []
 
     def affine(runtime, fn, clock):
-        ran = real(runtime, fn, clock)
+        ran, seconds = real(runtime, fn, clock)
         n = small_tokens if fn is small_run else tokens
         calls.append(n)
         slow = 1.3 if noisy and calls.count(tokens) == 1 and n == tokens else 1.0
-        return {name: slow * (OVERHEAD + slope[name] * n) for name in ran}
+        return {name: slow * (OVERHEAD + slope[name] * n) for name in ran}, seconds
 
     monkeypatch.setattr(costs, "_unit_times", affine)
     table = profile(rt, run, tokens, element_size=4, small=(small_run, small_tokens))

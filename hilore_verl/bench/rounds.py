@@ -1,7 +1,9 @@
 """Paired rounds until the intervals resolve a target, or until a time cap.
 
 A paired set is a list of keys (methods, or a planner at one sweep budget) stepped once each per
-round, the order rotated. After every round the set's widest interval is taken: for every key but
+round, the order rotated; the first `warmup` rounds are run and not timed (the first round after
+other work ran 25-70% slower than the rest on the CPU: its steps touch memory the others released).
+After every timed round the set's widest interval is taken: for every key but
 the baseline (GC), the 95% interval of its throughput over the baseline's (paired ratios,
 stats.py), its half-width relative to the ratio; without a baseline in the set, each key's own
 throughput interval relative to its mean. The rounds stop when
@@ -34,10 +36,12 @@ class StopRule:
     """Seconds of timed rounds for the whole run, shared by its paired sets (`caps`)."""
     fixed: int | None = None
     """Exactly this many rounds per set: no target, no cap."""
+    warmup: int = 1
+    """Untimed rounds before a set's timed ones."""
 
     def __post_init__(self):
-        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or (self.fixed is not None
-                                                                                         and self.fixed < 1):
+        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or self.warmup < 0 or (
+                self.fixed is not None and self.fixed < 1):
             raise ValueError(f"bad stop rule {self}")
 
 
@@ -106,6 +110,9 @@ def run_rounds(label: str, keys: list, step: Callable[[Hashable], float], rule: 
                clock: Callable[[], float] = time.perf_counter) -> RoundSet:
     """Round after round of `step(key)` (seconds of one timed step) over `keys` until `rule` stops them."""
     result = RoundSet(label, {k: [] for k in keys}, cap_s=None if rule.fixed is not None else cap_s)
+    for r in range(rule.warmup if keys else 0):
+        for key in rotated(list(keys), r):
+            step(key)
     start, logged = clock(), 0.0
     while keys:
         for key in rotated(list(keys), result.rounds):

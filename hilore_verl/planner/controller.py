@@ -199,21 +199,17 @@ class Controller:
 
     def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:
         """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
-        total = 0.0
-        for unit in self.costs.units:
-            total += next(o.time for o in self.costs.options(unit, tokens) if o.name == plan[unit.name])
-        return total
+        return self.costs.seconds(plan, tokens)
 
     # ------------------------------------------------------------------ read-only: a plan's predicted step time
     def predicted_step_seconds(self, plan: dict[str, str], tokens: int) -> float:
-        """One forward + backward under `plan` at `tokens`, as the cost model prices it: every unit's forward
-        x 3 (backward at twice the forward, as planner/whatif.py), the plan's extra time (`plan_seconds`) and,
-        unless the plan runs hands-off (every unit kept, or the model's own checkpointing), the runtime's
-        measured overhead. No optimizer step."""
+        """One forward + backward under `plan` at `tokens`, as the cost model prices it (`CostTable.pass_seconds`:
+        the probe's measured pass) and, unless the plan runs hands-off (every unit kept, or the model's own
+        checkpointing), the runtime's measured overhead. No optimizer step."""
         hands_off = [{u.name: "keep" for u in self.costs.units},
                      self.runtime.checkpoint_plan() if self.runtime is not None else None]
         overhead = 0.0 if plan in hands_off else self.costs.runtime_overhead_s
-        return 3 * sum(self.costs.forward(u, tokens) for u in self.costs.units) + self.plan_seconds(plan, tokens) + overhead
+        return self.costs.pass_seconds(plan, tokens) + overhead
 
     def _choose(self, l2: float, tokens: int, allowance: float) -> tuple[dict[str, str], bool]:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs

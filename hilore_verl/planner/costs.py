@@ -67,6 +67,10 @@ class CostTable:
     runtime_overhead_s: float = 0.0
     """Per micro-batch: what running a plan through the runtime's hooks costs over the same exact plan run
     hands-off (HF checkpointing), measured at the probe; priced as fixed (it follows the saved-tensor count)."""
+    keep_pass_s: float = 0.0
+    """One forward + backward of the probe with every unit kept, hands-off: the fastest measured pass under
+    GC's plan less the table's own price of that plan's recompute (`seconds`), so that the whole pass, its
+    backward and the parts outside units included, is measured rather than estimated. 0: not measured."""
 
     def scale(self, tokens: int) -> float:
         return tokens / self.tokens
@@ -80,6 +84,21 @@ class CostTable:
     def forward(self, unit: UnitProfile, tokens: int) -> float:
         """A unit's forward time at `tokens` (what recomputing it costs)."""
         return self.grow(unit.forward_s, unit.forward_quadratic, tokens, unit.forward_fixed)
+
+    def seconds(self, plan: dict[str, str], tokens: int) -> float:
+        """What `plan` adds to a pass with every unit kept at `tokens`: recompute, codecs, copies."""
+        return sum(next(o.time for o in self.options(u, tokens) if o.name == plan[u.name]) for u in self.units)
+
+    def pass_seconds(self, plan: dict[str, str], tokens: int) -> float:
+        """One forward + backward under `plan` at `tokens`, run hands-off: the measured kept pass grown as
+        the units' forward time grows (or, not measured, every unit's forward x 3: backward at twice the
+        forward), plus what the plan adds (`seconds`)."""
+        forward = sum(self.forward(u, tokens) for u in self.units)
+        if self.keep_pass_s > 0:
+            kept = self.keep_pass_s * forward / max(sum(self.forward(u, self.tokens) for u in self.units), 1e-30)
+        else:
+            kept = 3 * forward
+        return kept + self.seconds(plan, tokens)
 
     def unmanaged(self, tokens: int) -> float:
         return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens)

@@ -19,9 +19,10 @@ from hilore_verl.units import unit_kind
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 
 
-def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> dict[str, float]:
+def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[dict[str, float], float]:
     """Forward time per unit: each unit-module call timed on the device, minus its child unit-module
-    calls. Marks are read after the run (CUDA events), so timing adds no synchronization per call there."""
+    calls; and the whole run's. Marks are read after the run (CUDA events), so timing adds no
+    synchronization per call there."""
     stack: list[list] = []
     calls: list[list] = []  # [unit name, start mark, end mark, child calls]
     handles = []
@@ -45,7 +46,9 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     try:
+        begin = clock.mark()
         run()
+        end = clock.mark()
     finally:
         for h in handles:
             h.remove()
@@ -54,7 +57,7 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
         elapsed = clock.seconds(start, end)
         own = elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
         totals[name] = totals.get(name, 0.0) + own
-    return totals
+    return totals, clock.seconds(begin, end)
 
 
 SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned
@@ -210,7 +213,8 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                                                     times, their spread as the noise)
 
     Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
-    and hands-off, twice each: the runtime's overhead. Then codec and host-copy bandwidths, on samples
+    and hands-off, twice each: the runtime's overhead; the fastest GC pass (that hands-off one, or probe 1
+    through the hooks) less the table's price of its recompute is the kept pass. Then codec and host-copy bandwidths, on samples
     the size of the largest unit's saved bytes.
     """
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
@@ -231,10 +235,13 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     times: dict[str, float] = {u.name: math.inf for u in runtime.units}
     small_times = dict(times)
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}  # probes 1 and 2's unit times, by size
+    gc_passes: list[float] = []  # probe 1's whole forward + backward (through the hooks)
 
     def probe(extra: dict, small_probe: bool = False, pair: bool = False) -> RuntimeStats:
         runtime.set_plan({**gc_plan, **extra})
-        timed = _unit_times(runtime, small[0] if small_probe else run, clock)
+        timed, seconds = _unit_times(runtime, small[0] if small_probe else run, clock)
+        if not extra and not small_probe:
+            gc_passes.append(seconds)
         best = small_times if small_probe else times
         best.update({n: min(best[n], t) for n, t in timed.items()})
         if pair or small_probe:
@@ -266,7 +273,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         for h in heads:  # what the model holds more with the head recomputed than with it kept, under GC
             stats = probe({h.name: "recompute"})
             held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
-        overhead = runtime_overhead(runtime, run, clock)
+        overhead, hands_off = runtime_overhead(runtime, run, clock)
     finally:
         runtime.set_plan(plan_before)
     never = [n for n, t in times.items() if t == math.inf]
@@ -315,16 +322,21 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
     codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
-    return CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                     unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
+    table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
+                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
+    # the kept pass: a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
+    measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(gc_passes), gc_plan)
+    table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, "keep") for u in units}, tokens), 0.0)
+    return table
 
 
-def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> float:
-    """Seconds a pass of HF checkpointing's plan takes through the runtime's hooks over the same plan run
-    hands-off (the fastest of two each, interleaved); 0 when the model had no checkpointing to compare."""
+def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[float, float]:
+    """(seconds a pass of HF checkpointing's plan takes through the runtime's hooks over the same plan run
+    hands-off, the hands-off pass's seconds), the fastest of two each, interleaved; (0, 0) when the model
+    had no checkpointing to compare."""
     plan = runtime.checkpoint_plan()
     if plan is None:
-        return 0.0
+        return 0.0, 0.0
     best = {True: math.inf, False: math.inf}
     for _ in range(2):
         for hooked in (True, False):
@@ -332,4 +344,4 @@ def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClo
             start = clock.mark()
             run()
             best[hooked] = min(best[hooked], clock.seconds(start, clock.mark()))
-    return max(best[True] - best[False], 0.0)
+    return max(best[True] - best[False], 0.0), best[False]

@@ -118,7 +118,7 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
     _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
             integer=True)
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
-    for key in ("region_saving_bytes", "runtime_overhead_s"):
+    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
     for key in ("codec_bytes_per_s", "host_bytes_per_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")
