@@ -1,0 +1,204 @@
+"""The shared-prompt forward (hilore_verl.shared_prompt) against the ordinary per-sequence forward.
+
+Bounds, fp32, every family of hilore_verl.tiny_models:
+  log-probs and entropies   max |shared - ref| / max |ref| <= 1e-5
+  gradients of sum(logp * c), per parameter: cosine >= 0.999999 and |g - g_ref| / |g_ref| <= 1e-5
+A wrong mask (responses cut off from their prompt, or a sliding window ignored) moves the log-probs
+by more than 1e-3 relative on these models (checked below), far outside the bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from hilore_verl.shared_prompt import (
+    SharedLayout,
+    install,
+    shared_attention,
+    shared_layout,
+    shared_log_probs,
+    shared_logits,
+    uninstall,
+    unshared_log_probs,
+)
+from hilore_verl.tiny_models import FAMILIES, build_tiny_model
+
+REL = 1e-5
+COSINE = 0.999999
+# (prompt length, group size); odd lengths, P = 1, groups of 1, 3 and 5
+GROUPS = [(1, 3), (7, 5), (12, 1), (5, 3), (2, 1)]
+
+
+def _ids(gen: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randint(3, 500, (n,), generator=gen)
+
+
+def _sequences(seed: int = 0, groups=GROUPS, ungrouped: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for gid, (p, n) in enumerate(groups):
+        prompt = _ids(gen, p)
+        for _ in range(n):
+            seqs.append((f"g{gid}", prompt.clone(), _ids(gen, int(torch.randint(1, 21, (1,), generator=gen)))))
+    for _ in range(ungrouped):
+        seqs.append((None, _ids(gen, 4), _ids(gen, 6)))
+    random.Random(seed).shuffle(seqs)  # group members need not be adjacent
+    return seqs
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    a, b = torch.cat(a).detach(), torch.cat(b).detach()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _grads(model, logps: list[torch.Tensor], coefs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    sum((lp * c).sum() for lp, c in zip(logps, coefs)).backward()
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def _assert_grads_close(got: dict, ref: dict) -> None:
+    for name, g_ref in ref.items():
+        g = got[name]
+        ref_norm = float(g_ref.norm())
+        if ref_norm == 0.0:  # e.g. an expert no token was routed to
+            assert float(g.norm()) <= 1e-12, name
+            continue
+        rel = float((g - g_ref).norm()) / ref_norm
+        cos = float(torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0))
+        assert rel <= REL and cos >= COSINE, (name, rel, cos)
+
+
+def test_layout_structure():
+    seqs = _sequences()
+    layout = SharedLayout.build(seqs)
+    by_group: dict = {}
+    for gid, prompt, response in seqs:
+        by_group.setdefault(gid if gid is not None else id(response), []).append((prompt, response))
+    # one segment per group (P + sum R tokens) and one per ungrouped sequence
+    assert len(layout.groups) == len(by_group)
+    assert layout.fallback_groups == 0 and layout.ungrouped == 1
+    assert layout.shared_groups == sum(1 for _, n in GROUPS if n > 1)
+    for g in layout.groups:
+        assert g.length == g.prompt_len + sum(g.response_lens)
+        pos = layout.position_ids[0, g.start : g.end]
+        assert pos[: g.prompt_len].tolist() == list(range(g.prompt_len))
+    assert layout.shared_tokens == sum(len(ms[0][0]) + sum(len(r) for _, r in ms) for ms in by_group.values())
+    assert layout.unshared_tokens == sum(len(p) + len(r) for _, p, r in seqs)
+    assert layout.shared_tokens < layout.unshared_tokens
+    # each response token is predicted from the token before it in its own (unshared) sequence
+    row = layout.input_ids[0]
+    per_sequence = zip(seqs, layout.split(layout.predict_index), layout.split(layout.target_ids))
+    for (_, prompt, response), pred, tgt in per_sequence:
+        full = torch.cat([prompt, response])
+        assert torch.equal(tgt, response)
+        assert torch.equal(row[pred], full[len(prompt) - 1 : -1])
+        assert torch.equal(layout.position_ids[0, pred], torch.arange(len(prompt) - 1, len(full) - 1))
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(ValueError, match="empty prompt"):
+        SharedLayout.build([("a", torch.tensor([], dtype=torch.long), torch.tensor([5, 6]))])
+
+
+def test_differing_prompts_fall_back_to_unshared_segments():
+    gen = torch.Generator().manual_seed(3)
+    a, b = _ids(gen, 6), _ids(gen, 6)  # same length, different tokens
+    seqs = [("x", a, _ids(gen, 5)), ("x", b, _ids(gen, 7)), ("x", a, _ids(gen, 3))]
+    seqs += [("y", a, _ids(gen, 4)), ("y", a, _ids(gen, 0)), ("y", a, _ids(gen, 2))]  # an empty response too
+    layout = SharedLayout.build(seqs)
+    assert layout.fallback_groups == 1
+    assert [len(g.response_lens) for g in layout.groups] == [1, 1, 1, 3]
+    assert [g.shared for g in layout.groups] == [False, False, False, True]
+    assert layout.shared_tokens == layout.unshared_tokens - 2 * len(a)  # group y's prompt once, not 3 times
+    model = build_tiny_model("qwen2")
+    got, ref = shared_log_probs(model, seqs), unshared_log_probs(model, seqs)
+    assert [len(x) for x in got] == [5, 7, 3, 4, 0, 2]
+    assert _rel(got, ref) <= REL
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_matches_unshared_forward(family, caplog):
+    seqs = _sequences()
+    model = build_tiny_model(family)
+    before = model.config._attn_implementation
+    try:
+        shared_logits(model, SharedLayout.build(seqs))
+    except NotImplementedError as exc:
+        # the public entry point warns once and returns the ordinary forward's values
+        with caplog.at_level(logging.WARNING, logger="hilore_verl.shared_prompt"):
+            got = shared_log_probs(model, seqs, with_entropy=True)
+        warnings = [r for r in caplog.records if r.name.startswith("hilore_verl.shared_prompt")]
+        assert len(warnings) == 1 and "not available" in warnings[0].getMessage()
+        ref = unshared_log_probs(model, seqs, with_entropy=True)
+        assert all(torch.equal(x, y) for x, y in zip(got[0] + got[1], ref[0] + ref[1]))
+        assert model.config._attn_implementation == before
+        pytest.skip(f"{family}: falls back to the ordinary forward ({exc})")
+    assert model.config._attn_implementation == before
+
+    logp, ent = shared_log_probs(model, seqs, with_entropy=True)
+    ref_logp, ref_ent = unshared_log_probs(model, seqs, with_entropy=True)
+    assert [len(x) for x in logp] == [len(r) for _, _, r in seqs]
+    assert _rel(logp, ref_logp) <= REL and _rel(ent, ref_ent) <= REL
+    hot = shared_log_probs(model, seqs, temperature=0.7)
+    assert _rel(hot, unshared_log_probs(model, seqs, temperature=0.7)) <= REL
+
+    gen = torch.Generator().manual_seed(1)
+    coefs = [torch.randn(len(r), generator=gen) for _, _, r in seqs]
+    _assert_grads_close(_grads(model, logp, coefs), _grads(model, ref_logp, coefs))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
+def test_sliding_window_is_honoured(family):
+    # prompts and responses longer than the window: a query at position t sees positions > t - 4 only
+    seqs = _sequences(seed=5, groups=[(9, 3), (3, 3), (1, 1)], ungrouped=0)
+    windowed = build_tiny_model(family, sliding_window=4)
+    unwindowed = build_tiny_model(family, sliding_window=4096)  # same weights, window never reached
+    ref = unshared_log_probs(windowed, seqs)
+    assert _rel(unshared_log_probs(unwindowed, seqs), ref) > 1e-3  # the data exercises the window
+    logp = shared_log_probs(windowed, seqs)
+    assert _rel(logp, ref) <= REL
+    coefs = [torch.ones(len(r)) for _, _, r in seqs]
+    _assert_grads_close(_grads(windowed, logp, coefs), _grads(windowed, ref, coefs))
+
+
+def test_context_managers_and_installed_model_stay_exact():
+    seqs = _sequences(seed=2)
+    model = build_tiny_model("gemma2")
+    layout = SharedLayout.build(seqs)
+    expected = shared_logits(model, layout)
+    with shared_attention(model), shared_layout(layout):  # the layout by context only, full logits
+        logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False).logits[0]
+    logits, expected = logits.detach(), expected.detach()
+    assert float((logits[layout.predict_index] - expected).abs().max()) <= REL * float(expected.abs().max())
+    assert model.config._attn_implementation == "sdpa"
+    # installed but without a layout: the base implementation, bit for bit on ordinary batches
+    ids = torch.randint(3, 500, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    plain = model(input_ids=ids, attention_mask=mask).logits
+    previous = install(model)
+    try:
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, plain)
+    finally:
+        uninstall(model, previous)
+    assert model.config._attn_implementation == previous == "sdpa"
+
+
+def test_gradient_checkpointing_recompute_serves_the_layout():
+    seqs = _sequences(seed=4)
+    model = build_tiny_model("qwen3")
+    coefs = [torch.randn(len(r)) for _, _, r in seqs]
+    ref = _grads(model, unshared_log_probs(model, seqs), coefs)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logp = shared_log_probs(model, seqs)
+    # the backward recomputes the layers after the call returned: the model stays installed for it
+    assert model.config._attn_implementation.startswith("hilore_shared_prompt")
+    _assert_grads_close(_grads(model, logp, coefs), ref)
+    uninstall(model)
+    assert model.config._attn_implementation == "sdpa"
