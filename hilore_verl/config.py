@@ -70,6 +70,12 @@ class HiLoReConfig:
     keep / recompute plans both give the same update bitwise; with lossy plans which one runs depends on
     measured time, so two runs from one seed may differ (within the risk budget). False: the cost model
     decides alone and such runs repeat exactly."""
+    shared_prompt: bool = False
+    """Compute each group's prompt once in the actor's forward and backward: sequences of a micro-batch
+    whose prompts are equal (compared by tokens) are laid out as one prompt followed by their responses
+    (hilore_verl/shared_prompt/); verl's log-probs, loss and metrics are computed from the same logits.
+    Micro-batches it cannot serve (no remove-padding, sequence parallelism, fused kernels, multi-modal
+    inputs) and models with attention sinks run in the ordinary layout, each reason logged once."""
     fault_timeout_s: float = 60.0
     """After an out-of-memory error, how long a rank waits for the others to report the same fault
     before it stops training (a fault on some ranks only cannot be retried)."""
@@ -98,6 +104,7 @@ class HiLoReConfig:
         _check_type("step_snapshot", self.step_snapshot, bool)
         _check_type("skip_zero_exposure", self.skip_zero_exposure, bool)
         _check_type("measure_baseline", self.measure_baseline, bool)
+        _check_type("shared_prompt", self.shared_prompt, bool)
         _check_number("fault_timeout_s", self.fault_timeout_s, "> 0", lambda v: v > 0)
         _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
         _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)

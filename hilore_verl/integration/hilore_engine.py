@@ -36,6 +36,7 @@ from hilore_verl.integration.collectives import collectives_for
 from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.device_memory import available_bytes, compute_device
 from hilore_verl.integration.loss import batch_skip_refusal, skip_refusal
+from hilore_verl.integration.shared_prompt import SharedPrompt, unsupported_model
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
@@ -178,6 +179,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
         self._taken: StepSnapshot | None = None  # the snapshot of the mini-batch in train_batch now
         self._refusals: set[str] = set()  # why zero-exposure sequences were not skipped, each said once
+        self._shared: SharedPrompt | None = None  # hilore.shared_prompt: each group's prompt once
 
     @property
     def controller(self):
@@ -190,6 +192,19 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.session = Session(self.hilore, self.runtime, VerlPasses(self),
                                collectives_for(self.get_data_parallel_group(), self.hilore.fault_timeout_s))
         check_codec_device(self.hilore, compute_device())
+        if self.hilore.shared_prompt:
+            why = unsupported_model(self.module)
+            if why is None:
+                self._shared = SharedPrompt.install(self.module)
+            else:
+                logger.warning("hilore-verl: shared_prompt is off for this model: %s", why)
+
+    # ------------------------------------------------------------------ the model's inputs and outputs
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        if self._shared is not None:
+            model_inputs, output_args = self._shared.rewrite(micro_batch, model_inputs, output_args)
+        return model_inputs, output_args
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
@@ -272,6 +287,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         self.actor_config = bound if bound is not None else self.actor_config
         self.session.passes.loss_function = loss_function
         self._taken = self._take_snapshot()  # before the first forward: overlapped with the passes
+        if self._shared is not None:
+            self._shared.take_metrics()  # this mini-batch's only (not the log-prob passes' before it)
         try:
             self._check_inputs(data)
             micro_batches, indices, layout = self._split(data, loss_function)
@@ -283,6 +300,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.is_mp_src_rank_with_outputs():
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
             metrics.update(layout.metrics() if layout is not None else {})
+            metrics.update(self._shared.take_metrics() if self._shared is not None else {})
             out["metrics"].update({k: [v] for k, v in metrics.items()})
         return out
 
@@ -386,6 +404,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return loss, output
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        if self._shared is not None:  # the shared layout's logits laid out as verl's packed row
+            self._shared.restore(output, output_args)
         parent = super().prepare_model_outputs
         if self.runtime is None or not torch.is_grad_enabled():
             return parent(output, output_args, micro_batch, logits_processor_func)

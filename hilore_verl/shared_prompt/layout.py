@@ -19,6 +19,8 @@ either, so such sequences are rejected with a ValueError rather than silently re
     layout.position_ids     # [1, L]   positions as each sequence would see them unshared
     layout.predict_index    # [T]      row position whose logits predict each response token
     layout.target_ids       # [T]      the response tokens, input order, concatenated
+    layout.unshared_index   # [N]      row position of every token of the ordinary packed layout
+                            #          (each sequence's prompt then response, input order)
     layout.split(values)    # [T] -> one 1-D tensor per input sequence
 """
 
@@ -60,6 +62,7 @@ class SharedLayout:
     groups: list[GroupSpan]  # segments in row order; attention never crosses a segment boundary
     predict_index: torch.Tensor  # [T] long, T = sum of all response lengths
     target_ids: torch.Tensor  # [T] long
+    unshared_index: torch.Tensor  # [N] long, N = unshared_tokens: ordinary packed position -> row position
     response_lens: list[int]  # per input sequence, input order; splits the [T] tensors
     fallback_groups: int  # groups (ids) laid out unshared because their prompts differ
     ungrouped: int  # sequences without a group id, laid out unshared
@@ -93,6 +96,7 @@ class SharedLayout:
             groups=list(self.groups),
             predict_index=self.predict_index.to(device),
             target_ids=self.target_ids.to(device),
+            unshared_index=self.unshared_index.to(device),
             response_lens=list(self.response_lens),
             fallback_groups=self.fallback_groups,
             ungrouped=self.ungrouped,
@@ -149,6 +153,7 @@ class SharedLayout:
         pos: list[torch.Tensor] = []
         groups: list[GroupSpan] = []
         predict = [torch.empty(0, dtype=torch.long)] * len(sequences)
+        where = [torch.empty(0, dtype=torch.long)] * len(sequences)  # each sequence's tokens in the row
         offset = 0
         for idx, shared in segments:
             prompt = prompts[idx[0]]
@@ -163,6 +168,7 @@ class SharedLayout:
                 # token 0 <- the prompt's last position; token k > 0 <- the response's position k-1
                 own = torch.arange(cursor, cursor + max(r - 1, 0))
                 predict[j] = torch.cat([torch.tensor([offset + p - 1]), own])[:r]
+                where[j] = torch.cat([torch.arange(offset, offset + p), torch.arange(cursor, cursor + r)])
                 cursor += r
             groups.append(GroupSpan(offset, p, tuple(responses[j].numel() for j in idx), shared))
             offset = cursor
@@ -173,6 +179,7 @@ class SharedLayout:
             groups=groups,
             predict_index=torch.cat(predict),
             target_ids=torch.cat(responses),
+            unshared_index=torch.cat(where),
             response_lens=[r.numel() for r in responses],
             fallback_groups=fallback,
             ungrouped=ungrouped,

@@ -1,0 +1,129 @@
+"""verl's actor forward on the shared-prompt layout (`hilore.shared_prompt`): each group's prompt once.
+
+verl's FSDP engine packs a micro-batch's sequences into one row (`prepare_model_inputs`, remove-padding),
+runs the model and reads log-probs and entropy off the row's logits (`prepare_model_outputs`). With the
+shared layout the engine runs the model on `SharedLayout.input_ids` instead (every group's prompt once,
+shared_prompt/) and hands verl the logits laid out as the ordinary row, gathered by
+`SharedLayout.unshared_index`: every position's logits depend only on its own sequence's tokens up to
+it and their positions, which are the same in both layouts, so verl's log-probs, entropies, loss and
+metrics are computed by verl's own code from the same values. The gather's backward sums the prompt
+positions' gradients over the group's responses.
+
+    model_inputs, output_args = SharedPrompt.rewrite(micro_batch, model_inputs, output_args)
+    output = model(**model_inputs)
+    SharedPrompt.restore(output, output_args)    # output.logits: [1, N, V] again
+
+Groups are found by prompt tokens, not by verl's group ids: sequences whose prompts are equal share one
+copy, whatever group they came from, and sequences of one group whose prompts differ (a reordered data
+pipeline) cannot be shared by mistake. Micro-batches the layout cannot serve run as before, each reason logged
+once: no remove-padding, sequence parallelism or a static pad (a padded row), fused kernels (no logits),
+multi-modal inputs or 3-D positions, an attention with sinks (checked at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install
+
+logger = logging.getLogger(__name__)
+
+INDEX_KEY = "hilore_shared_index"  # output_args: [N] row position of each ordinary packed position
+PLAIN_INPUTS = {"input_ids", "attention_mask", "position_ids"}
+
+
+def unsupported_model(model: torch.nn.Module) -> str | None:
+    """Why the shared attention cannot serve `model` (None: it can): attention sinks (GPT-OSS)."""
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        return "its attention has sinks (e.g. GPT-OSS), which the shared-prompt attention does not compute"
+    return None
+
+
+def _sequences(micro_batch) -> list | None:
+    """(prompt ids, prompt ids [P], response ids [R]) per sequence of verl's no-padding micro-batch; the
+    group key is the prompt itself. None when the prompt / response split cannot be read."""
+    input_ids = micro_batch["input_ids"]
+    mask = micro_batch.get("attention_mask", None)
+    response_mask = micro_batch.get("response_mask", None)
+    if not getattr(input_ids, "is_nested", False) or mask is None or response_mask is None or mask.is_nested:
+        return None
+    offsets = input_ids.offsets().tolist()
+    values = input_ids.values().cpu()
+    response_lens = mask[:, -response_mask.shape[-1]:].sum(-1).tolist()  # responses are right-padded
+    out = []
+    for i, response_len in enumerate(response_lens):
+        tokens = values[offsets[i]:offsets[i + 1]]
+        prompt_len = tokens.numel() - int(response_len)
+        if prompt_len < 1:
+            return None
+        prompt = tokens[:prompt_len]
+        out.append((tuple(prompt.tolist()), prompt, tokens[prompt_len:]))
+    return out
+
+
+class SharedPrompt:
+    """The two halves of one micro-batch's shared forward (module docstring); says each refusal once."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self.stats: list[tuple[int, int]] = []  # per forward: (shared tokens, unshared tokens)
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> "SharedPrompt":
+        """The model's attention switched to the shared-prompt implementation (its base without a layout)."""
+        install(model)
+        return cls()
+
+    def _refuse(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            logger.warning("hilore-verl: shared prompt off for micro-batches with %s; they run in verl's "
+                           "ordinary layout", why)
+
+    def rewrite(self, micro_batch, model_inputs: dict, output_args: dict) -> tuple[dict, dict]:
+        """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
+        import verl.utils.tensordict_utils as tu
+
+        if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            self._refuse("use_remove_padding off")
+        elif tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+            self._refuse("fused kernels (they return log-probs, not logits)")
+        elif output_args.get("pad_size", 0):
+            self._refuse("a padded packed row (sequence parallelism or pad_to_length)")
+        elif set(model_inputs) - PLAIN_INPUTS or model_inputs["position_ids"].dim() != 2:
+            self._refuse("inputs beyond ids and 1-D positions (multi-modal, cu_seqlens)")
+        else:
+            sequences = _sequences(micro_batch)
+            if sequences is None:
+                self._refuse("no readable prompt / response split (attention_mask and response_mask)")
+                return model_inputs, output_args
+            row = model_inputs["input_ids"]
+            layout = SharedLayout.build(sequences, device=row.device)
+            if layout.unshared_tokens != row.shape[-1] or not torch.equal(
+                    layout.input_ids[0, layout.unshared_index], row[0]):
+                raise RuntimeError("hilore-verl: the shared layout does not reproduce verl's packed row "
+                                   "(a prompt / response split that verl did not make)")
+            self.stats.append((layout.shared_tokens, layout.unshared_tokens))
+            if layout.shared_tokens == layout.unshared_tokens:  # nothing shared: the ordinary forward
+                return model_inputs, output_args
+            output_args[INDEX_KEY] = layout.unshared_index
+            model_inputs = dict(model_inputs, input_ids=layout.input_ids, position_ids=layout.position_ids,
+                                **{LAYOUT_KWARG: layout})
+        return model_inputs, output_args
+
+    @staticmethod
+    def restore(output, output_args: dict) -> None:
+        """The shared forward's logits [1, L, V] -> the ordinary row's [1, N, V], in place on `output`."""
+        index = output_args.pop(INDEX_KEY, None)
+        if index is not None:
+            output.logits = output.logits.index_select(1, index)
+
+    def take_metrics(self) -> dict[str, float]:
+        """Since the last call: the share of packed tokens the shared layout computed (1: nothing shared);
+        then the record starts again."""
+        stats, self.stats = self.stats, []
+        if not stats:
+            return {}
+        return {"hilore/shared/token_share": sum(s[0] for s in stats) / max(sum(s[1] for s in stats), 1)}

@@ -1,0 +1,92 @@
+"""hilore.shared_prompt through verl's FSDP2 engine on 2 CPU ranks: each group's prompt computed once, the
+update equal to stock verl's within floating-point reordering (fp32), verl's loss and metrics the same."""
+
+import pytest
+import torch
+
+from hilore_verl.tiny_models import build_tiny_model, save_tiny_model
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from tests.harness.distributed import run_on_ranks
+
+# 2 groups of 4: each rank holds one group, its micro-batches of 2 sequences share one prompt
+WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)
+
+
+def _step(engine, batch, rank, world_size, loss_fn, **kwargs):
+    from hilore_verl.integration.engine import to_engine_batch
+
+    td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0], **kwargs)
+    with engine.train_mode():
+        out = engine.train_batch(td, loss_function=loss_fn)
+        grads = {n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()}
+    return out["metrics"], grads
+
+
+def _compare(rank, world_size, model_dir, batch, remove_padding):
+    import logging
+
+    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hilore_verl").addHandler(handler)
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)
+    kwargs = {"use_remove_padding": remove_padding}
+    stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
+    metrics0, grads0 = _step(stock, batch, rank, world_size, loss_fn, **kwargs)
+    engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
+                               engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0,
+                                       "skip_zero_exposure": False, "shared_prompt": True})
+    steps = []
+    for _ in range(2):  # the first step profiles and calibrates, the second runs the controller's plan
+        metrics, grads = _step(engine, batch, rank, world_size, loss_fn, **kwargs)
+        a = torch.cat([grads[n].flatten().double() for n in grads0])
+        b = torch.cat([g.flatten().double() for g in grads0.values()])
+        worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in grads0.items() if g.norm() > 0)
+        steps.append({"cos": float(a @ b / (a.norm() * b.norm())), "rel": float((a - b).norm() / b.norm()),
+                      "worst_param_rel": worst, "share": (metrics.get("hilore/shared/token_share") or [None])[0],
+                      "verl": {k: metrics[k] for k in metrics0 if not k.startswith("hilore/")},
+                      "verl0": {k: metrics0[k] for k in metrics0 if not k.startswith("hilore/")}})
+    return {"steps": steps, "refusals": [m for m in said if "shared prompt off" in m]}
+
+
+def _numbers(value) -> list[float]:
+    """A metric as verl returns it (a number, a list, or verl's Metric holding values) as floats."""
+    value = getattr(value, "values", value)
+    return [float(getattr(v, "values", v) if not isinstance(v, list) else v[0]) for v in
+            (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _close(a, b, rel=1e-5):
+    a, b = (torch.tensor(_numbers(x), dtype=torch.float64) for x in (a, b))
+    return bool(((a - b).abs() <= rel * b.abs().clamp_min(1e-6)).all())
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+def test_shared_prompt_update_equals_stock_verl(tmp_path, remove_padding):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    batch = make_grpo_batch(WORKLOAD, seed=3)
+    ranks = run_on_ranks(_compare, 2, args=(model_dir, batch, remove_padding))
+    print("\n", [(round(s["cos"], 9), f'{s["rel"]:.1e}', f'{s["worst_param_rel"]:.1e}', s["share"])
+                 for r in ranks for s in r["steps"]])
+    for rank in ranks:
+        for step in rank["steps"]:
+            assert step["cos"] >= 0.999999 and step["rel"] <= 1e-5 and step["worst_param_rel"] <= 1e-5, step
+            for key, value in step["verl0"].items():  # verl's loss and metrics, as stock verl computes them
+                assert _close(step["verl"][key], value), (key, step["verl"][key], value)
+        if remove_padding:  # each micro-batch: one prompt for two responses
+            assert all(s["share"] is not None and s["share"] < 0.9 for s in rank["steps"]), rank["steps"]
+            assert rank["refusals"] == []
+        else:  # verl's padded layout cannot be shared: said once, trained as before
+            assert all(s["share"] is None for s in rank["steps"]) and len(rank["refusals"]) == 1, rank
+
+
+def test_a_model_with_attention_sinks_is_refused_at_start_up():
+    from hilore_verl.integration.shared_prompt import unsupported_model
+
+    assert "sinks" in unsupported_model(build_tiny_model("gpt_oss"))
+    assert unsupported_model(build_tiny_model("qwen2")) is None
