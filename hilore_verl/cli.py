@@ -99,7 +99,14 @@ def _bench(args: argparse.Namespace) -> int:
     from hilore_verl.bench.report import append_record, plot, save_json, save_markdown, table
     from hilore_verl.bench.run import run_bench
 
+    from hilore_verl.bench.methods import SHARED
+
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if args.shared_prompt:  # each of no GC, GC and HiLoRe also on the shared-prompt layout
+        methods += tuple(m for m in SHARED if m not in methods)
+    if args.no_pack and any(m in SHARED for m in methods):
+        print("hilore-verl bench: the shared-prompt layout packs sequences; drop --no-pack", file=sys.stderr)
+        return 2
     bad = [m for m in methods if m not in METHODS] or ([] if methods else ["(none)"])
     if bad:
         print(f"hilore-verl bench: unknown method {bad[0]!r}; valid: {', '.join(METHODS)}", file=sys.stderr)
@@ -120,6 +127,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                          num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
+                         max_prompt_len=args.prompt_len, per_sequence_attention=any(m in SHARED for m in methods),
                          rounds=args.rounds, min_rounds=args.min_rounds, target_ci=args.target_ci,
                          time_cap_s=args.time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
                          profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
@@ -127,7 +135,8 @@ def _bench(args: argparse.Namespace) -> int:
     shape = (f"model {config.model} (random weights)" if config.model else
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     print(f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
-          f"responses up to {config.max_response_len} tokens; {100 * config.zero_advantage_share:g}% of groups at "
+          f"responses up to {config.max_response_len} tokens after prompts of {max(1, config.max_prompt_len // 2)}-"
+          f"{config.max_prompt_len}; {100 * config.zero_advantage_share:g}% of groups at "
           f"zero advantage; KL loss coefficient {config.kl_coef:g}; planners' budget "
           f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak; "
           + (f"{config.rounds} paired rounds per set" if config.rounds is not None else
@@ -253,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--groups", type=_positive, default=4, help="prompts per mini-batch (default 4)")
     bench.add_argument("--group-size", type=_positive, default=8, help="responses per prompt (default 8)")
     bench.add_argument("--response-len", type=_positive, default=192, help="longest response (default 192)")
+    bench.add_argument("--prompt-len", type=_positive, default=64,
+                       help="longest prompt; prompts are drawn from half of it up to it (default 64)")
+    bench.add_argument("--shared-prompt", action="store_true",
+                       help="also run no_gc, gc and hilore with each group's prompt computed once "
+                            "(methods no_gc_shared, gc_shared, hilore_shared)")
     bench.add_argument("--zero-advantage-share", type=_share, default=0.5,
                        help="share of groups whose responses all get one reward, in [0, 1) (default 0.5)")
     bench.add_argument("--kl-coef", type=_number(0.0, inclusive=True), default=0.0,

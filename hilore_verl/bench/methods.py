@@ -10,6 +10,7 @@
     fp8_boundary     the same with fp8-e4m3
     keep_recompute   hilore-verl's planner with keep / recompute only, under the budget (torchtitan-style)
     hilore           HiLoRe: keep / compress / recompute, risk-budgeted, under the budget
+    *_shared         no_gc, gc, hilore with each group's prompt computed once (shared_prompt/; `--shared-prompt`)
 
 Both planners leave out the sequences without a loss term (skip.py, as the engine does: no coefficient on
 any of their tokens, so none under a KL loss) before planning.
@@ -28,16 +29,19 @@ import torch
 import hilore_verl
 from hilore_verl import skip
 from hilore_verl.bench.session_passes import BenchPasses
-from hilore_verl.bench.workload import (BenchConfig, build_model, coefficients, forward_context, loss_of, probe_batch,
-                                        make_optimizer, tokens_of)
+from hilore_verl.bench.workload import (SHARE_ATTRIBUTE, BenchConfig, build_model, coefficients, forward_context,
+                                        loss_of, make_optimizer, probe_batch, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller
 from hilore_verl.session import Session, SingleProcess
+from hilore_verl.shared_prompt import install as install_shared_attention
 
+SHARED = ("no_gc_shared", "gc_shared", "hilore_shared")  # the same methods on the shared-prompt layout
 METHODS = ("no_gc", "gc", "gc_drop_zero_adv", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute",
-           "hilore", "runtime_keep", "runtime_recompute")
-PLANNERS = ("keep_recompute", "hilore")
+           "hilore", "runtime_keep", "runtime_recompute", *SHARED)
+PLANNERS = ("keep_recompute", "hilore", "hilore_shared")
+SWEPT = ("keep_recompute", "hilore")  # the planners the budget sweep runs
 # the runtime's own cost, no planner: every unit kept (against no_gc), every unit recomputed (against gc)
 RUNTIME_ONLY = {"runtime_keep": "keep", "runtime_recompute": "recompute"}
 
@@ -156,6 +160,10 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
     if name == "verl_offload" and not torch.cuda.is_available():
         raise Unavailable("verl's activation offload copies on a CUDA side stream; no GPU here")
     model = build_model(config)
+    if name in SHARED:
+        install_shared_attention(model)  # a no-op where the config already attends per sequence
+        setattr(model, SHARE_ATTRIBUTE, True)
+        name = name.removesuffix("_shared")
     optimizer = make_optimizer(model, config)
     method = Method(name, model, optimizer, c=coefficients(batch), config=config)
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())
@@ -209,6 +217,9 @@ def planner_state(method: Method) -> dict:
 def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Method:
     """A planner as `build` makes it, its controller from `planner_state` (a resumed session: no probes)."""
     model = build_model(config)
+    if name in SHARED:
+        install_shared_attention(model)
+        setattr(model, SHARE_ATTRIBUTE, True)
     method = Method(name, model, make_optimizer(model, config), c=coefficients(batch), config=config,
                     drop="zero_coef")
     method.exposure_l2 = float(method.c.pow(2).sum().sqrt())

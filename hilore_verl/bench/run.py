@@ -83,7 +83,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 "--group-size, --response-len) or shrink the model (--hidden, --layers, --vocab)")
     _refuse_if_resident_copies_do_not_fit(config, methods)
     built: dict[str, M.Method] = {}
-    planners = [m for m in methods if m in M.PLANNERS]
+    planners = [m for m in methods if m in M.SWEPT]
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
     progress = Progress(len(methods) * 2 + ((len(methods) + ("hilore" in methods)) if peaks else 0))
     for name in sorted(methods, key=lambda m: m != "hilore"):

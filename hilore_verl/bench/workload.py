@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hilore_verl.shared_prompt import ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
@@ -69,6 +70,11 @@ class BenchConfig:
     """The planners' probe bound, as hilore.profile_tokens (and at most 1/8 of the step's tokens)."""
     model_layers: int | None = None
     """With `model`: keep only its first this many decoder layers (None: all of them)."""
+    per_sequence_attention: bool = False
+    """Every method's attention per packed sequence (the shared-prompt implementation with nothing shared,
+    what a GPU's varlen kernel computes) instead of SDPA over the whole row under a block-diagonal mask,
+    which on the CPU computes every pair of the row. Set by `--shared-prompt`, so that its rows differ only
+    in the sharing."""
     master_fp32: bool = False
     """CUDA: bf16 weights and gradients for compute, AdamW on fp32 master copies with fp32 moments (verl's
     FSDP2 mixed precision on one rank) instead of AdamW on the bf16 weights themselves."""
@@ -168,6 +174,8 @@ def build_model(config: BenchConfig, where: torch.device | str | None = None) ->
                                      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
                                      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
                                      vocab_size=config.vocab_size, max_position_embeddings=4096)
+    if config.per_sequence_attention and where.type != "meta":
+        install(model)
     return model if where.type == "meta" else model.to(where).train()
 
 
@@ -190,7 +198,8 @@ def make_batch(config: BenchConfig) -> dict[str, torch.Tensor]:
     # c_t = dL/dlog p_t of the token-mean loss, -A_t / N, plus the k1 KL term's kl_coef / N
     c = (config.kl_coef * resp - padded["advantages"]) / resp.sum()
     batch = {"targets": padded["responses"][rows, cols], "coef": c[rows, cols].float(), "target_seq": rows,
-             "seq_lens": mask.sum(-1), "tokens": mask.sum(), "positions": torch.tensor(mask.numel()),
+             "seq_lens": mask.sum(-1), "prompt_lens": mask[:, :S - R].sum(-1), "tokens": mask.sum(),
+             "positions": torch.tensor(mask.numel()),
              "zero_advantage": ~((padded["advantages"] != 0) & resp).any(-1),  # (B,) what verl's open PRs drop
              "zero_coef": ~((c != 0) & resp).any(-1)}  # (B,) no loss term at all: what HiLoRe skips
     if config.pack:  # valid tokens in one row; a packed position's index is its rank among the valid ones
@@ -212,7 +221,7 @@ def probe_batch(batch: dict[str, torch.Tensor], index: list[int]) -> dict[str, t
     new_seq[idx] = torch.arange(len(idx), device=idx.device)
     out = {"targets": batch["targets"][keep], "coef": batch["coef"][keep],
            "target_seq": new_seq[batch["target_seq"][keep]], "seq_lens": batch["seq_lens"][idx],
-           "tokens": batch["seq_lens"][idx].sum()}
+           "tokens": batch["seq_lens"][idx].sum(), "prompt_lens": batch["prompt_lens"][idx]}
     out.update({k: batch[k][idx] for k in ("zero_advantage", "zero_coef") if k in batch})
     if "attention_mask" in batch:  # padded rows: logit index = row * S + column
         S = batch["input_ids"].shape[1]
@@ -248,9 +257,38 @@ def response_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> 
     return torch.log_softmax(rows.float(), dim=-1).gather(-1, batch["targets"][:, None]).squeeze(-1)
 
 
+def shared_inputs(batch: dict[str, torch.Tensor], share: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A packed batch in the shared-prompt layout (hilore_verl/shared_prompt/): sequences with equal prompt
+    tokens share one prompt (`share` false: every sequence its own segment, the ordinary row attended per
+    sequence). Returns (the model's inputs, the batch with `logit_index` into the layout's row)."""
+    if "attention_mask" in batch:
+        raise ValueError("the shared-prompt layout needs the packed batch (drop --no-pack)")
+    row, sequences, start = batch["input_ids"][0], [], 0
+    for length, prompt_len in zip(batch["seq_lens"].tolist(), batch["prompt_lens"].tolist()):
+        tokens = row[start:start + length]
+        key = tuple(tokens[:prompt_len].tolist()) if share else None
+        sequences.append((key, tokens[:prompt_len], tokens[prompt_len:]))
+        start += length
+    layout = SharedLayout.build(sequences, device=row.device)
+    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, LAYOUT_KWARG: layout}
+    return inputs, dict(batch, logit_index=layout.unshared_index[batch["logit_index"]])
+
+
+def is_shared(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is the shared-prompt implementation (shared_prompt.install)."""
+    return str(model.config._attn_implementation).startswith(ATTENTION_NAME)
+
+
+SHARE_ATTRIBUTE = "hilore_share_prompts"  # on a model: its groups' prompts are computed once (bench *_shared)
+
+
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Tensor, head=None) -> torch.Tensor:
-    """Forward: the surrogate sum_t c_t log p_t; `head(fn, *args)` runs the log-prob part (a runtime's unit)."""
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    """Forward: the surrogate sum_t c_t log p_t; `head(fn, *args)` runs the log-prob part (a runtime's unit).
+    A model with the shared-prompt attention installed runs the batch in the shared layout."""
+    if is_shared(model):
+        inputs, batch = shared_inputs(batch, share=getattr(model, SHARE_ATTRIBUTE, False))
+    else:
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
     logits = model(**inputs, use_cache=False).logits
     logp = head(response_log_probs, logits, batch) if head is not None else response_log_probs(logits, batch)
     return (logp * c).sum()
