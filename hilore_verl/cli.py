@@ -42,18 +42,27 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from hilore_verl.planner.whatif import parse_budget, what_if
+    from hilore_verl.planner.whatif import parse_budget, shared_summary, shared_tokens, what_if
     from hilore_verl.presets import load_config
 
+    shape = (args.prompt_len, args.response_len, args.group_size)
+    if any(v is not None for v in shape) and None in shape:
+        print("hilore-verl plan: --prompt-len, --response-len and --group-size go together", file=sys.stderr)
+        return 2
+    seq_len = args.seq_len or (args.prompt_len + args.response_len if args.prompt_len else args.micro_batch_tokens)
     try:
         budget = parse_budget(args.budget)
         config = load_config(args.model)
-        result = what_if(config, args.model, args.micro_batch_tokens, args.seq_len or args.micro_batch_tokens,
-                         args.gpus, args.gpu_mem_gib, budget)
+        result = what_if(config, args.model, args.micro_batch_tokens, seq_len, args.gpus, args.gpu_mem_gib, budget)
+        shared = None if args.prompt_len is None else what_if(
+            config, args.model, shared_tokens(args.micro_batch_tokens, *shape), seq_len, args.gpus, args.gpu_mem_gib,
+            budget)
     except ValueError as err:
         print(f"hilore-verl plan: {err}", file=sys.stderr)
         return 2
     print(result.table())
+    if shared is not None:
+        print(shared_summary(result, shared, *shape))
     if args.json:
         from dataclasses import asdict
 
@@ -236,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=_positive, default=None, help="typical sequence length (default: the micro-batch)")
     plan.add_argument("--gpus", type=_positive, default=8, help="FSDP ranks sharding the model (default 8)")
     plan.add_argument("--budget", default="gc_ratio:1.10", help="gc_ratio:X, gib:X or auto[:headroom GiB] (default gc_ratio:1.10)")
+    plan.add_argument("--prompt-len", type=_positive, default=None,
+                      help="with --response-len and --group-size: also predict each group's prompt computed once")
+    plan.add_argument("--response-len", type=_positive, default=None, help="response tokens (with --prompt-len)")
+    plan.add_argument("--group-size", type=_positive, default=None, help="responses per prompt (with --prompt-len)")
     plan.add_argument("--json", metavar="PATH", type=_output_path, help="also write the plan and the figures as JSON")
     plan.set_defaults(func=_plan)
     bench = sub.add_parser("bench", help="HiLoRe against GC, offload, boundary compression and a keep/recompute "

@@ -162,3 +162,20 @@ def test_json_into_a_missing_folder_creates_it_before_the_work(tmp_path, capsys)
     missing = tmp_path / "other" / "plan.json"
     assert cli.main(["plan", "--model", "qwen9-1t", "--json", str(missing)]) == 2  # bad model: found after parsing
     assert missing.parent.is_dir() and not missing.exists()
+
+
+def test_plan_predicts_a_shared_prompt_from_the_group_shape():
+    from hilore_verl.planner.whatif import shared_tokens
+
+    assert shared_tokens(5120, 512, 128, 8) == 1536  # one group: 8 x (512 + 128) -> 512 + 8 x 128
+    assert shared_tokens(1000, 100, 100, 1) == 1000  # one response per prompt: nothing to share
+    argv = [CLI, "plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "80", "--micro-batch-tokens", "10240",
+            "--gpus", "1"]
+    out = subprocess.run(argv + ["--prompt-len", "512", "--response-len", "128", "--group-size", "8"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("shared prompt"))
+    assert "3072 instead of 10240 tokens per micro-batch (70% fewer)" in line, line
+    saved = float(line.split("with full GC")[0].rsplit(":", 1)[1].strip().rstrip("%,").strip("% "))
+    assert 50 < saved < 80, line  # fewer tokens, less time: about their share
+    bad = subprocess.run(argv + ["--prompt-len", "512"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "go together" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

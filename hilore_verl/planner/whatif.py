@@ -105,6 +105,27 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
                   sum(costs.forward(u, tokens) for u in costs.units))
 
 
+def shared_tokens(tokens: int, prompt_len: int, response_len: int, group_size: int) -> int:
+    """A micro-batch of `tokens` ordinary tokens in the shared-prompt layout: a group of n sequences of
+    P + R tokens holds P + n R there, so T_s = T (P + n R) / (n (P + R))."""
+    n, p, r = group_size, prompt_len, response_len
+    return max(1, round(tokens * (p + n * r) / (n * (p + r))))
+
+
+def shared_summary(plain: WhatIf, shared: WhatIf, prompt_len: int, response_len: int, group_size: int) -> str:
+    """What computing each group's prompt once changes, from the two plans (step ~ 3F + extra time, as above)."""
+    def step(w: WhatIf, extra: float) -> float:
+        return 3 * w.forward_s + extra
+
+    gc_saved = 1 - step(shared, shared.gc_extra_s) / step(plain, plain.gc_extra_s)
+    plan_saved = 1 - step(shared, shared.plan_extra_s) / step(plain, plain.gc_extra_s)
+    return (f"shared prompt (prompts {prompt_len}, responses {response_len}, {group_size} per prompt): "
+            f"{shared.tokens} instead of {plain.tokens} tokens per micro-batch "
+            f"({100 * (1 - shared.tokens / plain.tokens):.0f}% fewer); full GC peak {shared.gc_peak_gib:.2f} "
+            f"instead of {plain.gc_peak_gib:.2f} GiB; predicted time saved against full GC without it: "
+            f"{100 * gc_saved:.1f}% with full GC, {100 * plan_saved:.1f}% with the plan at its budget")
+
+
 def parse_budget(text: str) -> BudgetConfig:
     """`gc_ratio:1.10`, `gib:40`, `auto` or `auto:2` (GiB of headroom)."""
     mode, _, value = text.partition(":")
