@@ -202,3 +202,32 @@ def test_gradient_checkpointing_recompute_serves_the_layout():
     _assert_grads_close(_grads(model, logp, coefs), ref)
     uninstall(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_soft_cap_is_applied_as_the_base_attention_applies_it():
+    # sdpa ignores Gemma2's attention soft-cap, eager applies it: shared, the model computes what it computes
+    # unshared under each (queries scaled up and a cap of 1: the cap moves the reference beyond the bound)
+    seqs = _sequences(seed=2, groups=[(5, 3), (2, 2)], ungrouped=0)
+    values = {}
+    for base in ("sdpa", "eager"):
+        model = build_tiny_model("gemma2", attn_logit_softcapping=1.0)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(30.0)
+        model.config._attn_implementation = base
+        ref = unshared_log_probs(model, seqs)
+        assert _rel(shared_log_probs(model, seqs), ref) <= REL, base
+        values[base] = ref
+    assert _rel(values["sdpa"], values["eager"]) > 1e-3
+
+
+def test_models_mixing_tokens_outside_attention_are_refused_at_start_up():
+    from hilore_verl.integration.shared_prompt import unsupported_model
+
+    model = build_tiny_model("qwen2")
+    assert unsupported_model(model) is None
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    assert "linear_attention layers" in unsupported_model(model)
+    model.config.layer_types = None
+    model.model.layers[0].self_attn.is_causal = False
+    assert "non-causal" in unsupported_model(model)

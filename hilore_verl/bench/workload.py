@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hilore_verl.shared_prompt import ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install
+from hilore_verl.shared_prompt import ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install, shared_layout
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
@@ -287,9 +287,11 @@ def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Ten
     A model with the shared-prompt attention installed runs the batch in the shared layout."""
     if is_shared(model):
         inputs, batch = shared_inputs(batch, share=getattr(model, SHARE_ATTRIBUTE, False))
+        with shared_layout(inputs[LAYOUT_KWARG]):  # the layout is the mask: the model builds no [L, L] one
+            logits = model(**inputs, use_cache=False).logits
     else:
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
+        logits = model(**inputs, use_cache=False).logits
     logp = head(response_log_probs, logits, batch) if head is not None else response_log_probs(logits, batch)
     return (logp * c).sum()
 

@@ -22,6 +22,7 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Mapping
 
@@ -195,7 +196,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.hilore.shared_prompt:
             why = unsupported_model(self.module)
             if why is None:
-                self._shared = SharedPrompt.install(self.module)
+                self._shared = SharedPrompt.install(self.module, self.ulysses_sequence_parallel_size)
             else:
                 logger.warning("hilore-verl: shared_prompt is off for this model: %s", why)
 
@@ -392,16 +393,22 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
 
     def plain_forward_step(self, micro_batch, loss_function):
         """verl's training forward_step, without the session's hooks (probes, audits)."""
-        return super().forward_step(micro_batch, loss_function, forward_only=False)
+        with self._shared_scope():
+            return super().forward_step(micro_batch, loss_function, forward_only=False)
 
     def forward_step(self, micro_batch, loss_function, forward_only):
-        if forward_only or self.controller is None:
-            return super().forward_step(micro_batch, loss_function, forward_only)
-        index = self.session.before_forward()
-        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
-        if self.session.records_risk():
-            self.session.after_forward(index, self._exact_exposure(micro_batch, output))
-        return loss, output
+        with self._shared_scope():
+            if forward_only or self.controller is None:
+                return super().forward_step(micro_batch, loss_function, forward_only)
+            index = self.session.before_forward()
+            loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+            if self.session.records_risk():
+                self.session.after_forward(index, self._exact_exposure(micro_batch, output))
+            return loss, output
+
+    def _shared_scope(self):
+        """One step's shared-prompt layout (integration/shared_prompt.py), when hilore.shared_prompt is on."""
+        return self._shared.scope() if self._shared is not None else contextlib.nullcontext()
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         if self._shared is not None:  # the shared layout's logits laid out as verl's packed row

@@ -9,9 +9,10 @@ it and their positions, which are the same in both layouts, so verl's log-probs,
 metrics are computed by verl's own code from the same values. The gather's backward sums the prompt
 positions' gradients over the group's responses.
 
-    model_inputs, output_args = SharedPrompt.rewrite(micro_batch, model_inputs, output_args)
-    output = model(**model_inputs)
-    SharedPrompt.restore(output, output_args)    # output.logits: [1, N, V] again
+    with shared.scope():                             # one forward step
+        model_inputs, output_args = shared.rewrite(micro_batch, model_inputs, output_args)
+        output = model(**model_inputs)               # the head on verl's N positions (`logits_to_keep`)
+        shared.restore(output, output_args)          # else: output.logits [1, L, V] -> [1, N, V]
 
 Groups are found by prompt tokens, not by verl's group ids: sequences whose prompts are equal share one
 copy, whatever group they came from, and sequences of one group whose prompts differ (a reordered data
@@ -22,11 +23,13 @@ multi-modal inputs or 3-D positions, an attention with sinks (checked at start-u
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 
 import torch
 
-from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install
+from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install, shared_layout
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +37,20 @@ INDEX_KEY = "hilore_shared_index"  # output_args: [N] row position of each ordin
 PLAIN_INPUTS = {"input_ids", "attention_mask", "position_ids"}
 
 
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
 def unsupported_model(model: torch.nn.Module) -> str | None:
-    """Why the shared attention cannot serve `model` (None: it can): attention sinks (GPT-OSS)."""
+    """Why the shared attention cannot serve `model` (None: it can): attention sinks (GPT-OSS), a layer
+    that mixes tokens outside the attention interface (linear attention, state-space or convolution
+    layers of hybrid models), or non-causal attention."""
     if any(name.endswith("sinks") for name, _ in model.named_parameters()):
         return "its attention has sinks (e.g. GPT-OSS), which the shared-prompt attention does not compute"
+    types = set(getattr(model.config, "layer_types", None) or ()) - ATTENTION_LAYERS
+    if types:
+        return f"it has {', '.join(sorted(types))} layers, which mix tokens outside the attention interface"
+    if any(getattr(module, "is_causal", True) is False for module in model.modules()):
+        return "it has non-causal attention layers"
     return None
 
 
@@ -47,7 +60,8 @@ def _sequences(micro_batch) -> list | None:
     input_ids = micro_batch["input_ids"]
     mask = micro_batch.get("attention_mask", None)
     response_mask = micro_batch.get("response_mask", None)
-    if not getattr(input_ids, "is_nested", False) or mask is None or response_mask is None or mask.is_nested:
+    if (not getattr(input_ids, "is_nested", False) or mask is None or response_mask is None or mask.is_nested
+            or response_mask.is_nested):
         return None
     offsets = input_ids.offsets().tolist()
     values = input_ids.values().cpu()
@@ -66,15 +80,27 @@ def _sequences(micro_batch) -> list | None:
 class SharedPrompt:
     """The two halves of one micro-batch's shared forward (module docstring); says each refusal once."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps_logits: bool = False, sp_size: int = 1) -> None:
         self._said: set[str] = set()
         self.stats: list[tuple[int, int]] = []  # per forward: (shared tokens, unshared tokens)
+        self.keeps_logits = keeps_logits  # the model's forward takes `logits_to_keep` (an index tensor)
+        self.sp_size = sp_size
+        self._active = contextlib.ExitStack()
 
     @classmethod
-    def install(cls, model: torch.nn.Module) -> "SharedPrompt":
+    def install(cls, model: torch.nn.Module, sp_size: int = 1) -> "SharedPrompt":
         """The model's attention switched to the shared-prompt implementation (its base without a layout)."""
         install(model)
-        return cls()
+        return cls("logits_to_keep" in inspect.signature(type(model).forward).parameters, sp_size)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Around one forward step: the layout `rewrite` makes is the current one (so the model builds no
+        [L, L] mask of its own) until the step ends, also when it raises."""
+        try:
+            yield
+        finally:
+            self._active.close()
 
     def _refuse(self, why: str) -> None:
         if why not in self._said:
@@ -86,7 +112,9 @@ class SharedPrompt:
         """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
         import verl.utils.tensordict_utils as tu
 
-        if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+        if self.sp_size > 1:
+            self._refuse("sequence parallelism (each rank holds part of the packed row)")
+        elif not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
             self._refuse("use_remove_padding off")
         elif tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
             self._refuse("fused kernels (they return log-probs, not logits)")
@@ -99,18 +127,24 @@ class SharedPrompt:
             if sequences is None:
                 self._refuse("no readable prompt / response split (attention_mask and response_mask)")
                 return model_inputs, output_args
-            row = model_inputs["input_ids"]
+            row, positions = model_inputs["input_ids"], model_inputs["position_ids"]
             layout = SharedLayout.build(sequences, device=row.device)
-            if layout.unshared_tokens != row.shape[-1] or not torch.equal(
-                    layout.input_ids[0, layout.unshared_index], row[0]):
-                raise RuntimeError("hilore-verl: the shared layout does not reproduce verl's packed row "
-                                   "(a prompt / response split that verl did not make)")
+            index = layout.unshared_index
+            if layout.unshared_tokens != row.shape[-1] or not (
+                    torch.equal(layout.input_ids[0, index], row[0])
+                    and torch.equal(layout.position_ids[0, index], positions[0])):
+                raise RuntimeError("hilore-verl: the shared layout does not reproduce verl's packed row and its "
+                                   "positions (a prompt / response split or positions that verl did not make)")
             self.stats.append((layout.shared_tokens, layout.unshared_tokens))
             if layout.shared_tokens == layout.unshared_tokens:  # nothing shared: the ordinary forward
                 return model_inputs, output_args
-            output_args[INDEX_KEY] = layout.unshared_index
+            self._active.enter_context(shared_layout(layout))
             model_inputs = dict(model_inputs, input_ids=layout.input_ids, position_ids=layout.position_ids,
                                 **{LAYOUT_KWARG: layout})
+            if self.keeps_logits:  # the head runs on verl's N positions only, in verl's order: [1, N, V]
+                model_inputs["logits_to_keep"] = index
+            else:
+                output_args[INDEX_KEY] = index
         return model_inputs, output_args
 
     @staticmethod

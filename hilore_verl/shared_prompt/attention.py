@@ -21,11 +21,13 @@ with the segments, not with the row. Activation checkpointing recomputes each la
 after `shared_layout` has exited: the recompute finds the layout in the kwargs the checkpoint kept
 (pass `shared_prompt_layout=`), and the model must still be installed then.
 
-Honoured: GQA (k/v heads repeated), `scaling`, `dropout`, `sliding_window` (keys less than
+Honoured: GQA (SDPA's grouped heads), `scaling`, `dropout`, `sliding_window` (keys less than
 `sliding_window` positions behind, positions of the unshared sequence, as transformers' sliding
-masks) and `softcap` (Gemma2's attention logit soft-capping, computed explicitly). Refused with
+masks) and `softcap` (Gemma2's attention logit soft-capping, computed explicitly; over an sdpa base,
+which ignores it, ignored too, so a model computes the same shared or not). Refused with
 NotImplementedError, so callers fall back to the ordinary forward: attention sinks (`s_aux`,
-GPT-OSS), non-causal attention, a KV cache, and a query that is not one row of the layout's length.
+GPT-OSS), non-causal attention, a KV cache, a layer whose sliding window is not passed to its
+attention call, and a query that is not one row of the layout's length.
 The same code runs on CUDA tensors.
 """
 
@@ -133,6 +135,8 @@ def _attention_over(base: str) -> Callable:
             layout = _LAYOUT.get()
         if layout is None:
             return _base_attention(base, module)(module, query, key, value, attention_mask, **kwargs)
+        if base == "sdpa":  # transformers' sdpa attention ignores a soft-cap: so does the same model shared
+            kwargs.pop("softcap", None)
         return shared_prompt_attention(module, query, key, value, layout, **kwargs)
 
     return attention
@@ -145,6 +149,9 @@ def _check(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwar
         raise NotImplementedError("shared-prompt attention: only causal attention is supported")
     if kwargs.get("past_key_values") is not None:
         raise NotImplementedError("shared-prompt attention: a KV cache is not supported")
+    if kwargs.get("sliding_window") is None and getattr(module, "sliding_window", None) is not None:
+        raise NotImplementedError("shared-prompt attention: the layer has a sliding window its attention call does "
+                                  "not pass (the model applies it through its mask only)")
     if query.shape[0] != 1 or query.shape[2] != layout.shared_tokens or key.shape[2] != layout.shared_tokens:
         raise NotImplementedError(
             f"shared-prompt attention: query {tuple(query.shape)} / key {tuple(key.shape)} are not one row "
@@ -187,10 +194,11 @@ def shared_prompt_attention(
 
     Returns (attn_output [1, L, H, Dv], None), the layout `sdpa_attention_forward` returns.
     """
-    _check(module, query, key, kwargs, layout)
+    _check(module, query, key, {**kwargs, "sliding_window": sliding_window}, layout)
     n_rep = query.shape[1] // key.shape[1]
-    key = _repeat_heads(key, n_rep)  # [1, H, L, D]
-    value = _repeat_heads(value, n_rep)  # [1, H, L, Dv]
+    if softcap is not None:  # the explicit path repeats k / v heads; SDPA reads them grouped (enable_gqa)
+        key = _repeat_heads(key, n_rep)  # [1, H, L, D]
+        value = _repeat_heads(value, n_rep)  # [1, H, L, Dv]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window is not None else None
@@ -203,7 +211,8 @@ def shared_prompt_attention(
         if softcap is not None:
             out = _softcapped(q, k, v, mask, scaling, float(softcap), dropout)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=n_rep > 1)
         outputs.append(out)  # [1, H, L_g, Dv]
     attn_output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # [1, H, L, Dv]
     return attn_output.transpose(1, 2).contiguous(), None

@@ -67,8 +67,9 @@ class SharedLayout:
     fallback_groups: int  # groups (ids) laid out unshared because their prompts differ
     ungrouped: int  # sequences without a group id, laid out unshared
     unshared_tokens: int  # sum over sequences of P_i + R_i: the ordinary layout's size
-    # segment masks, built once per forward and reused by every layer (see attention.py)
-    mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # segment masks, built once per forward and reused by every layer (see attention.py); a plain object,
+    # so that FSDP2's input casting, which rebuilds dataclasses and dicts per layer, passes it on as is
+    mask_cache: "MaskCache" = field(default_factory=lambda: MaskCache(), repr=False, compare=False)
 
     @property
     def shared_tokens(self) -> int:
@@ -195,20 +196,25 @@ class SharedLayout:
         (the unshared sequence's) is less than `sliding_window` behind the row's. Cached per forward.
         """
         key = (group, sliding_window, str(device))
-        mask = self.mask_cache.get(key)
+        mask = self.mask_cache.masks.get(key)
         if mask is not None:
             return mask
         g = self.groups[group]
-        # segment id per token: 0 for the prompt, i + 1 for response i                  # [L_g]
-        seg = torch.repeat_interleave(
-            torch.arange(len(g.response_lens) + 1, device=device),
-            torch.tensor((g.prompt_len, *g.response_lens), device=device),
-        )
+        # segment id per token: 0 for the prompt, i + 1 for response i (made on the host)  # [L_g]
+        seg = torch.repeat_interleave(torch.arange(len(g.response_lens) + 1),
+                                      torch.tensor((g.prompt_len, *g.response_lens))).to(device, non_blocking=True)
         pos = self.position_ids[0, g.start : g.end].to(device)  # [L_g]
         behind = pos[:, None] - pos[None, :]  # [L_g, L_g] query position minus key position
         same = (seg[None, :] == 0) | (seg[None, :] == seg[:, None])
         mask = same & (behind >= 0)
         if sliding_window is not None:
             mask = mask & (behind < sliding_window)
-        self.mask_cache[key] = mask
+        self.mask_cache.masks[key] = mask
         return mask
+
+
+class MaskCache:
+    """Segment masks by (segment, window, device); shared by every copy of a layout."""
+
+    def __init__(self) -> None:
+        self.masks: dict = {}
