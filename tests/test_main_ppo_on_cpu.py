@@ -114,19 +114,15 @@ def test_legacy_trainer_use_v1_false(tmp_path, task):
     assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
 
 
-def test_shared_prompt_trains_as_the_ordinary_layout(tmp_path, task):
-    """hilore.shared_prompt through verl's trainer: each group's prompt computed once, the first step's loss,
-    gradient norm and rewards those of the same run without it (fp32 recipe: equal up to summation order)."""
-    runs = {}
-    for shared in (False, True):
-        rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=true",
-                                  f"actor_rollout_ref.actor.hilore.shared_prompt={str(shared).lower()}",
-                                  "trainer.total_training_steps=1", name=f"shared_{shared}")
-        assert rc == 0, out[-6000:]
-        runs[shared] = steps[0]["data"]
-    plain, shared = runs[False], runs[True]
-    assert "actor/hilore/shared/token_share" not in plain
-    assert shared["actor/hilore/shared/token_share"] < 0.7, shared  # 8 responses of <= 4 tokens per prompt
-    assert shared["critic/score/mean"] == plain["critic/score/mean"]  # the same rollout before any update
-    for key in ("actor/pg_loss", "actor/grad_norm"):
-        assert abs(shared[key] - plain[key]) <= 1e-4 * max(abs(plain[key]), 1e-6), (key, shared[key], plain[key])
+def test_shared_prompt_through_the_trainer(tmp_path, task):
+    """hilore.shared_prompt through verl's trainer (its jagged response masks, its micro-batches): each group's
+    prompt computed once in the actor's update and log-prob passes, no micro-batch refused. (Two runs from one
+    seed sample different rollouts here, so equality with the ordinary layout is tested in the engine, on one
+    batch: tests/test_shared_prompt_engine_on_cpu.py.)"""
+    rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=true",
+                              "actor_rollout_ref.actor.hilore.shared_prompt=true", "trainer.total_training_steps=1")
+    assert rc == 0, out[-6000:]
+    assert "shared prompt off" not in out and "shared_prompt is off" not in out, out[-6000:]
+    m = steps[0]["data"]
+    assert m["actor/hilore/shared/token_share"] < 0.7, m  # 8 responses of <= 4 tokens per prompt of <= 16
+    assert all(abs(m[k]) < float("inf") for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"))

@@ -90,3 +90,17 @@ def test_a_model_with_attention_sinks_is_refused_at_start_up():
 
     assert "sinks" in unsupported_model(build_tiny_model("gpt_oss"))
     assert unsupported_model(build_tiny_model("qwen2")) is None
+
+
+def test_the_split_is_read_from_jagged_or_padded_response_masks():
+    from hilore_verl.integration.shared_prompt import _response_lengths
+
+    offsets = [0, 5, 9]  # two sequences of 5 and 4 tokens
+    jagged = torch.nested.nested_tensor_from_jagged(torch.ones(3), offsets=torch.tensor([0, 2, 3]))  # verl's trainer
+    assert _response_lengths({"response_mask": jagged}, offsets) == [2, 1]
+    too_long = torch.nested.nested_tensor_from_jagged(torch.ones(7), offsets=torch.tensor([0, 6, 7]))
+    assert _response_lengths({"response_mask": too_long}, offsets) is None
+    padded = {"response_mask": torch.ones(2, 3),  # left_right_2_no_padding: responses right-padded, 3 wide
+              "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]])}
+    assert _response_lengths(padded, offsets) == [2, 1]
+    assert _response_lengths({"response_mask": torch.ones(2, 3)}, offsets) is None

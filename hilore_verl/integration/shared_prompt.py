@@ -54,18 +54,35 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _response_lengths(micro_batch, offsets: list[int]) -> list[int] | None:
+    """Response tokens per sequence: the jagged `response_mask`'s lengths (verl's trainer), or the valid
+    tokens of the right-padded response part of `attention_mask` (the padded layout converted by
+    left_right_2_no_padding). None when neither is there. A split that takes part of a response for the
+    prompt is still exact (a shared prefix is a shared prefix); it only shares less."""
+    response_mask = micro_batch.get("response_mask", None)
+    if response_mask is None:
+        return None
+    if response_mask.is_nested:
+        lengths = response_mask.offsets().diff().tolist()
+        totals = [b - a for a, b in zip(offsets, offsets[1:])]
+        return None if any(r > t for r, t in zip(lengths, totals)) else lengths
+    mask = micro_batch.get("attention_mask", None)
+    if mask is None or mask.is_nested:
+        return None
+    return mask[:, -response_mask.shape[-1]:].sum(-1).tolist()  # responses are right-padded
+
+
 def _sequences(micro_batch) -> list | None:
     """(prompt ids, prompt ids [P], response ids [R]) per sequence of verl's no-padding micro-batch; the
     group key is the prompt itself. None when the prompt / response split cannot be read."""
     input_ids = micro_batch["input_ids"]
-    mask = micro_batch.get("attention_mask", None)
-    response_mask = micro_batch.get("response_mask", None)
-    if (not getattr(input_ids, "is_nested", False) or mask is None or response_mask is None or mask.is_nested
-            or response_mask.is_nested):
+    if not getattr(input_ids, "is_nested", False):
         return None
     offsets = input_ids.offsets().tolist()
+    response_lens = _response_lengths(micro_batch, offsets)
+    if response_lens is None:
+        return None
     values = input_ids.values().cpu()
-    response_lens = mask[:, -response_mask.shape[-1]:].sum(-1).tolist()  # responses are right-padded
     out = []
     for i, response_len in enumerate(response_lens):
         tokens = values[offsets[i]:offsets[i + 1]]
@@ -125,7 +142,9 @@ class SharedPrompt:
         else:
             sequences = _sequences(micro_batch)
             if sequences is None:
-                self._refuse("no readable prompt / response split (attention_mask and response_mask)")
+                found = {k: ("nested" if getattr(v, "is_nested", False) else tuple(v.shape))
+                         for k in ("attention_mask", "response_mask") if (v := micro_batch.get(k, None)) is not None}
+                self._refuse(f"no readable prompt / response split (attention_mask and response_mask: {found})")
                 return model_inputs, output_args
             row, positions = model_inputs["input_ids"], model_inputs["position_ids"]
             layout = SharedLayout.build(sequences, device=row.device)
