@@ -56,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
         result = what_if(config, args.model, args.micro_batch_tokens, seq_len, args.gpus, args.gpu_mem_gib, budget)
         shared = None if args.prompt_len is None else what_if(
             config, args.model, shared_tokens(args.micro_batch_tokens, *shape), seq_len, args.gpus, args.gpu_mem_gib,
-            budget)
+            budget, row=args.micro_batch_tokens)  # the budget: GC's peak without the shared layout
     except ValueError as err:
         print(f"hilore-verl plan: {err}", file=sys.stderr)
         return 2

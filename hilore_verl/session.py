@@ -51,6 +51,7 @@ class Passes(Protocol):
     has_coefficients: bool  # whether the loss coefficients are known (a risk model can be calibrated)
 
     def lengths(self, batch) -> list[int]: ...  # tokens per sequence
+    def layer_tokens(self, batch) -> int: ...  # tokens the layers compute: sum(lengths), fewer with shared prompts
     def select(self, batch, index: list[int]): ...  # the sequences `index` of a micro-batch
     def train_pass(self, batch) -> None: ...  # forward + backward of the training loss, current plan
     def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor: ...
@@ -152,9 +153,9 @@ class Session:
         def run(batch):
             return lambda: passes.train_pass(batch)
 
-        costs = profile(self.runtime, run(probe), sum(lengths), element_size=passes.element_size,
+        costs = profile(self.runtime, run(probe), passes.layer_tokens(probe), element_size=passes.element_size,
                         formats=c.formats, offload=c.offload, group_size=c.group_size,
-                        small=None if small is None else (run(small), sum(passes.lengths(small))))
+                        small=None if small is None else (run(small), passes.layer_tokens(small)))
         risk = None
         if c.risk_budget > 0 and passes.has_coefficients:
             # calibrate on the local micro-batch with the most exposure
@@ -170,7 +171,7 @@ class Session:
         passes.zero_grad()
         self.runtime.set_plan({})
         self.controller = self._make_controller(costs, risk)
-        largest = max(sum(passes.lengths(mb)) for mb in micro_batches)
+        largest = max(sum(passes.lengths(mb)) for mb in micro_batches)  # GC's peak as without shared prompts
         gc_peak = self.controller.predicted_peak(self.controller.gc_plan(), largest)
         logger.warning("hilore-verl: planning under %.3f GiB (gradient checkpointing needs %.3f GiB at %d tokens per "
                        "micro-batch) with %d units, profiled on %d tokens", self.controller.memory_budget_at(largest)
@@ -254,14 +255,15 @@ class Session:
         start = clock.mark()
         out = self._train_with_retries(step)
         # timed for the measured choice of arm (planner/arms.py): not the first (profiling), nor a retried one
-        self._timed = None if first or self.retries else (start, clock.mark(), sum(tokens(mb) for mb in micro_batches))
+        self._timed = None if first or self.retries else (start, clock.mark(), self._layer_tokens)
         metrics = self.controller.metrics()
         metrics["hilore/oom_retries"] = float(self.retries)
         return out, metrics
 
     def _begin(self, micro_batches, tokens) -> None:
-        """Every micro-batch's predicted exposure (on-policy point) and tokens, reduced over ranks
-        (sum of squares, max) so that micro-batch i gets the same plan on every rank."""
+        """Every micro-batch's predicted exposure (on-policy point) and tokens (those its layers compute
+        and those of its packed row, `tokens`), reduced over ranks (sum of squares, max) so that
+        micro-batch i gets the same plan on every rank."""
         n = len(micro_batches)
         if len({row[0] for row in self.collectives.gather([float(n)])}) != 1:
             raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
@@ -269,13 +271,17 @@ class Session:
         exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
         timed, self._timed = self._timed, None
         seconds = -1.0 if timed is None else self._device_clock().seconds(timed[0], timed[1]) / max(timed[2], 1)
+        layers = [self.passes.layer_tokens(mb) for mb in micro_batches]
+        self._layer_tokens = sum(layers)  # what the step computes, for its time per token
         rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
-                                       + [seconds])
+                                       + [float(t) for t in layers] + [seconds])
         squares = [sum(col) for col in zip(*(row[:n] for row in rows))]
         counts = [max(col) for col in zip(*(row[n:2 * n] for row in rows))]
-        per_token = [row[2 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
-        self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in counts],
-                                         seconds_per_token=max(per_token) if min(per_token) > 0 else None)
+        computed = [max(col) for col in zip(*(row[2 * n:3 * n] for row in rows))]
+        per_token = [row[3 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
+        self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in computed],
+                                         seconds_per_token=max(per_token) if min(per_token) > 0 else None,
+                                         row_tokens=[int(t) for t in counts])
 
     def _device_clock(self) -> DeviceClock:
         if self._clock is None:

@@ -234,7 +234,8 @@ def _plans_on_rank(rank, world_size):
     _, rt, _, tokens, costs = _tiny_probe()
     costs = _gpu_like(costs)
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
-    session = Session(HiLoReConfig(), rt, SimpleNamespace(exposure_l2=lambda mb: mb[0]), DataParallel(None, 30))
+    session = Session(HiLoReConfig(), rt, SimpleNamespace(exposure_l2=lambda mb: mb[0], layer_tokens=lambda mb: mb[1]),
+                      DataParallel(None, 30))
     session.controller = ctl
 
     def begin(micro_batches):
@@ -611,3 +612,32 @@ def test_mixed_layers_fit_the_budget_the_model_predicts(tiny):
     stats = rt.stats()
     measured = stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes
     assert abs(ctl.held_bytes(plan, tokens) / measured - 1) <= 0.02
+
+
+def test_with_shared_prompts_units_follow_the_computed_tokens_and_the_budget_the_packed_row(tiny):
+    """A micro-batch whose layers compute T tokens of an N-token packed row (hilore.shared_prompt): units
+    and the transient reserve are priced at T, the unmanaged bytes (the head's logits) and the gc_ratio
+    budget at N (GC's peak without the layout), so the layout's saving is spent on keeping units."""
+    _, rt, _, tokens, costs = tiny
+    keep = {u.name: "keep" for u in costs.units}
+    ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.1))
+    with pytest.raises(ValueError, match="fewer tokens than its layers compute"):
+        ctl.begin_mini_batch([0.0], [tokens], row_tokens=[tokens - 1])
+    kept_somewhere = False
+    for k in (1, 2, 4, 8):
+        row = k * tokens
+        gc = ctl.gc_plan()
+        assert ctl.predicted_peak(gc, tokens, row) - ctl.predicted_peak(gc, tokens) == pytest.approx(
+            costs.unmanaged(row) - costs.unmanaged(tokens))
+        ctl.begin_mini_batch([0.0, 0.0], [tokens, row], row_tokens=[row, row])
+        shared, plain = ctl.plan_micro_batch(0), ctl.plan_micro_batch(1)
+        assert ctl.tokens(0) == (tokens, row) and ctl.tokens(1) == (row, row)
+        assert ctl.predicted_peak(shared, tokens, row) <= ctl.limit(row)
+        assert ctl.plan_seconds(shared, tokens) <= ctl.plan_seconds(plain, tokens) + 1e-12
+        assert ctl.metrics()["hilore/plan/budget_gib"] == pytest.approx(ctl.memory_budget_at(row) / 2**30)
+        if ctl.predicted_peak(keep, tokens, row) <= ctl.limit(row):
+            assert shared == keep
+            kept_somewhere = True
+        if k > 1:
+            assert plain != keep  # the ordinary layout at N does not fit every unit kept under 1.1x GC
+    assert kept_somewhere

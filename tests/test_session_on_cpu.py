@@ -46,6 +46,9 @@ class PlainPasses:
     def lengths(self, batch):
         return batch["attention_mask"].sum(-1).tolist()
 
+    def layer_tokens(self, batch):
+        return int(sum(self.lengths(batch)))
+
     def select(self, batch, index):
         return {k: v[index] for k, v in batch.items()}
 

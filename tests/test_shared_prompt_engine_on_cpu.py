@@ -47,7 +47,8 @@ def _compare(rank, world_size, model_dir, batch, remove_padding):
         a = torch.cat([grads[n].flatten().double() for n in grads0])
         b = torch.cat([g.flatten().double() for g in grads0.values()])
         worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in grads0.items() if g.norm() > 0)
-        steps.append({"cos": float(a @ b / (a.norm() * b.norm())), "rel": float((a - b).norm() / b.norm()),
+        planned = [engine.controller.tokens(i) for i in range(len(engine.controller._micro))]
+        steps.append({"planned": planned, "cos": float(a @ b / (a.norm() * b.norm())), "rel": float((a - b).norm() / b.norm()),
                       "worst_param_rel": worst, "share": (metrics.get("hilore/shared/token_share") or [None])[0],
                       "verl": {k: metrics[k] for k in metrics0 if not k.startswith("hilore/")},
                       "verl0": {k: metrics0[k] for k in metrics0 if not k.startswith("hilore/")}})
@@ -71,7 +72,7 @@ def test_shared_prompt_update_equals_stock_verl(tmp_path, remove_padding):
     model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
     batch = make_grpo_batch(WORKLOAD, seed=3)
     ranks = run_on_ranks(_compare, 2, args=(model_dir, batch, remove_padding))
-    print("\n", [(round(s["cos"], 9), f'{s["rel"]:.1e}', f'{s["worst_param_rel"]:.1e}', s["share"])
+    print("\n", [(round(s["cos"], 9), f'{s["rel"]:.1e}', f'{s["worst_param_rel"]:.1e}', s["share"], s["planned"])
                  for r in ranks for s in r["steps"]])
     for rank in ranks:
         for step in rank["steps"]:
@@ -80,9 +81,12 @@ def test_shared_prompt_update_equals_stock_verl(tmp_path, remove_padding):
                 assert _close(step["verl"][key], value), (key, step["verl"][key], value)
         if remove_padding:  # each micro-batch: one prompt for two responses
             assert all(s["share"] is not None and s["share"] < 0.9 for s in rank["steps"]), rank["steps"]
+            for s in rank["steps"]:  # planned at the tokens the layers compute, budgeted at verl's packed rows
+                assert all(t < r for t, r in s["planned"]), s
             assert rank["refusals"] == []
-        else:  # verl's padded layout cannot be shared: said once, trained as before
+        else:  # verl's padded layout cannot be shared: said once, trained (and planned) as before
             assert all(s["share"] is None for s in rank["steps"]) and len(rank["refusals"]) == 1, rank
+            assert all(t == r for s in rank["steps"] for t, r in s["planned"]), rank
 
 
 def test_a_model_with_attention_sinks_is_refused_at_start_up():
@@ -104,3 +108,27 @@ def test_the_split_is_read_from_jagged_or_padded_response_masks():
               "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]])}
     assert _response_lengths(padded, offsets) == [2, 1]
     assert _response_lengths({"response_mask": torch.ones(2, 3)}, offsets) is None
+
+
+def test_the_planner_is_told_the_tokens_the_shared_layout_computes():
+    """SharedPrompt.tokens (what the session plans a micro-batch by) is the row the layout builds, read
+    from verl's micro-batch (nested ids, jagged response mask); verl's packed row where it cannot share."""
+    import verl.utils.tensordict_utils as tu
+    from tensordict import TensorDict
+
+    from hilore_verl.integration.shared_prompt import SharedPrompt, _sequences
+    from hilore_verl.shared_prompt import SharedLayout
+
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 8], [5, 6, 7], [4]]
+    responses = [[1, 2], [3], [4, 4, 4], [2, 2, 2, 2], [7, 7]]
+    ids = torch.nested.as_nested_tensor([torch.tensor(p + r) for p, r in zip(prompts, responses)],
+                                        layout=torch.jagged)
+    mask = torch.nested.as_nested_tensor([torch.ones(len(r)) for r in responses], layout=torch.jagged)
+    micro_batch = TensorDict({"input_ids": ids, "response_mask": mask}, batch_size=[len(prompts)])
+    tu.assign_non_tensor(micro_batch, use_remove_padding=True)
+    layout = SharedLayout.build([(k, p, r) for k, p, r in _sequences(micro_batch)])
+    n = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    assert SharedPrompt().tokens(micro_batch) == layout.shared_tokens == n - 2 * 3 < n
+    tu.assign_non_tensor(micro_batch, use_fused_kernels=True)  # a micro-batch the layout refuses
+    assert SharedPrompt().tokens(micro_batch) == n
+    assert SharedPrompt(sp_size=2).tokens(micro_batch) == n

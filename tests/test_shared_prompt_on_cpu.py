@@ -231,3 +231,20 @@ def test_models_mixing_tokens_outside_attention_are_refused_at_start_up():
     model.config.layer_types = None
     model.model.layers[0].self_attn.is_causal = False
     assert "non-causal" in unsupported_model(model)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_token_count_is_the_row_the_layout_builds(seed):
+    """shared_token_count (what the planner sizes a micro-batch by) without building the layout."""
+    from hilore_verl.shared_prompt import shared_token_count
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 50, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g) for _ in range(3)]
+    sequences = []
+    for _ in range(11):
+        prompt = prompts[int(torch.randint(0, 3, (1,), generator=g))]
+        response = torch.randint(0, 50, (int(torch.randint(0, 7, (1,), generator=g)),), generator=g)
+        alone = bool(torch.rand(1, generator=g) < 0.2)
+        sequences.append((None if alone else tuple(prompt.tolist()), prompt, response))
+    layout = SharedLayout.build(sequences)
+    assert shared_token_count([(k, p.numel(), r.numel()) for k, p, r in sequences]) == layout.shared_tokens

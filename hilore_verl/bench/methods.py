@@ -30,7 +30,7 @@ import hilore_verl
 from hilore_verl import skip
 from hilore_verl.bench.session_passes import BenchPasses
 from hilore_verl.bench.workload import (SHARE_ATTRIBUTE, BenchConfig, build_model, coefficients, forward_context,
-                                        loss_of, make_optimizer, probe_batch, tokens_of)
+                                        layer_tokens, loss_of, make_optimizer, probe_batch, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig, Controller
@@ -76,7 +76,7 @@ class Method:
         _sync()
         seconds = time.perf_counter() - start
         if self.controller is not None:  # as the engine's session times each mini-batch (planner/arms.py)
-            self.timed = seconds / self.trained_tokens(batch)
+            self.timed = seconds / self.layer_tokens(batch)
         return seconds
 
     def _kept(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,6 +90,11 @@ class Method:
         """Tokens of the batch this method forwards (what its planner plans for)."""
         return tokens_of(self._kept(batch) if self.drop is not None else batch)
 
+    def layer_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens its layers compute for the batch it forwards (fewer than `trained_tokens` where prompts
+        are shared)."""
+        return layer_tokens(self.model, self._kept(batch) if self.drop is not None else batch)
+
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         c = self.c
         if self.drop is not None:
@@ -97,9 +102,9 @@ class Method:
             c = coefficients(batch)
         if self.controller is not None:
             t = time.perf_counter()
-            tokens = tokens_of(batch)
             timed, self.timed = self.timed, None
-            self.controller.begin_mini_batch([self.exposure_l2], [tokens], seconds_per_token=timed)
+            self.controller.begin_mini_batch([self.exposure_l2], [layer_tokens(self.model, batch)],
+                                             seconds_per_token=timed, row_tokens=[tokens_of(batch)])
             self.controller.plan_micro_batch(0)
             self.plan_s.append(time.perf_counter() - t)
         head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None

@@ -204,6 +204,7 @@ class _Timer:
     def __init__(self, built: dict[str, M.Method], variants: dict[tuple, Controller], batch):
         self.built, self.variants, self.batch = built, variants, batch
         self.trained = {n: m.trained_tokens(batch) for n, m in built.items() if m.controller is not None}
+        self.computed = {n: m.layer_tokens(batch) for n, m in built.items() if m.controller is not None}
         self.timed: dict = {}
         self.planning: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
@@ -226,7 +227,7 @@ class _Timer:
             c = method.controller
             if c is not None:
                 self.planning[key].append(method.plan_s[-1])
-                self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.trained[name]))
+                self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[name]))
         finally:
             method.controller = saved
         return seconds
@@ -274,7 +275,8 @@ def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
     or "no_gc", the predicted peak of keeping every unit at the tokens it forwards."""
     base = method.controller
     if ratio == "no_gc":
-        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.trained_tokens(batch)) / 2**30)
+        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.layer_tokens(batch),
+                                                          method.trained_tokens(batch)) / 2**30)
     else:
         budget = BudgetConfig("gc_ratio", float(ratio))
     return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,

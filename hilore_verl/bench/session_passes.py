@@ -19,8 +19,8 @@ import torch
 
 import hilore_verl
 from hilore_verl import host_memory
-from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, loss_of, make_optimizer, probe_batch,
-                                        static_bytes, tokens_of)
+from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, layer_tokens, loss_of, make_optimizer,
+                                        probe_batch, static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.session import Session
 
@@ -54,6 +54,9 @@ class BenchPasses:
 
     def lengths(self, batch) -> list[int]:
         return batch["seq_lens"].tolist()
+
+    def layer_tokens(self, batch) -> int:
+        return layer_tokens(self.model, batch)
 
     def select(self, batch, index: list[int]):
         return probe_batch(batch, index)

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hilore_verl.shared_prompt import ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install, shared_layout
+from hilore_verl.shared_prompt import (ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install, shared_layout,
+                                       shared_token_count)
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
@@ -261,6 +262,13 @@ def shared_inputs(batch: dict[str, torch.Tensor], share: bool = True) -> tuple[d
     """A packed batch in the shared-prompt layout (hilore_verl/shared_prompt/): sequences with equal prompt
     tokens share one prompt (`share` false: every sequence its own segment, the ordinary row attended per
     sequence). Returns (the model's inputs, the batch with `logit_index` into the layout's row)."""
+    layout = SharedLayout.build(_sequences(batch, share), device=batch["input_ids"].device)
+    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, LAYOUT_KWARG: layout}
+    return inputs, dict(batch, logit_index=layout.unshared_index[batch["logit_index"]])
+
+
+def _sequences(batch: dict[str, torch.Tensor], share: bool) -> list:
+    """(prompt key or None, prompt ids [P], response ids [R]) per sequence of a packed batch."""
     if "attention_mask" in batch:
         raise ValueError("the shared-prompt layout needs the packed batch (drop --no-pack)")
     row, sequences, start = batch["input_ids"][0], [], 0
@@ -269,9 +277,15 @@ def shared_inputs(batch: dict[str, torch.Tensor], share: bool = True) -> tuple[d
         key = tuple(tokens[:prompt_len].tolist()) if share else None
         sequences.append((key, tokens[:prompt_len], tokens[prompt_len:]))
         start += length
-    layout = SharedLayout.build(sequences, device=row.device)
-    inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, LAYOUT_KWARG: layout}
-    return inputs, dict(batch, logit_index=layout.unshared_index[batch["logit_index"]])
+    return sequences
+
+
+def layer_tokens(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model's layers compute for `batch`: its packed tokens, or the shared layout's row where
+    the model computes each group's prompt once (bench *_shared); what its planner sizes a step by."""
+    if not (is_shared(model) and getattr(model, SHARE_ATTRIBUTE, False)):
+        return tokens_of(batch)
+    return shared_token_count([(key, p.numel(), r.numel()) for key, p, r in _sequences(batch, True)])
 
 
 def is_shared(model: torch.nn.Module) -> bool:

@@ -101,6 +101,10 @@ class VerlPasses:
     def lengths(self, batch) -> list[int]:
         return _sequence_lengths(batch)
 
+    def layer_tokens(self, batch) -> int:
+        shared = self.engine._shared
+        return shared.tokens(batch) if shared is not None else int(batch["input_ids"].values().numel())
+
     def select(self, batch, index: list[int]):
         return tu.index_select_tensor_dict(batch, index)
 

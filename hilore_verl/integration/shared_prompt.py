@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install, shared_layout
+from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install, shared_layout, shared_token_count
 
 logger = logging.getLogger(__name__)
 
@@ -125,16 +125,37 @@ class SharedPrompt:
             logger.warning("hilore-verl: shared prompt off for micro-batches with %s; they run in verl's "
                            "ordinary layout", why)
 
-    def rewrite(self, micro_batch, model_inputs: dict, output_args: dict) -> tuple[dict, dict]:
-        """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
+    def _refusal(self, micro_batch) -> str | None:
+        """Why a micro-batch cannot be shared, as far as its own flags tell (None: it may be)."""
         import verl.utils.tensordict_utils as tu
 
         if self.sp_size > 1:
-            self._refuse("sequence parallelism (each rank holds part of the packed row)")
-        elif not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
-            self._refuse("use_remove_padding off")
-        elif tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
-            self._refuse("fused kernels (they return log-probs, not logits)")
+            return "sequence parallelism (each rank holds part of the packed row)"
+        if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            return "use_remove_padding off"
+        if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
+            return "fused kernels (they return log-probs, not logits)"
+        if micro_batch.get("multi_modal_inputs", None) is not None:
+            return "inputs beyond ids and 1-D positions (multi-modal, cu_seqlens)"
+        return None
+
+    def tokens(self, micro_batch) -> int:
+        """The tokens the model's layers will compute for `micro_batch`: the shared layout's row L, or
+        verl's packed row N where the layout will not be used (what the planner sizes a micro-batch by;
+        after any refusal in this run, N, so that a micro-batch is never planned smaller than it runs)."""
+        row = int(micro_batch["input_ids"].values().numel())
+        if self._said or self._refusal(micro_batch) is not None:
+            return row
+        sequences = _sequences(micro_batch)
+        if sequences is None:
+            return row
+        return shared_token_count([(key, prompt.numel(), response.numel()) for key, prompt, response in sequences])
+
+    def rewrite(self, micro_batch, model_inputs: dict, output_args: dict) -> tuple[dict, dict]:
+        """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
+        why = self._refusal(micro_batch)
+        if why is not None:
+            self._refuse(why)
         elif output_args.get("pad_size", 0):
             self._refuse("a padded packed row (sequence parallelism or pad_to_length)")
         elif set(model_inputs) - PLAIN_INPUTS or model_inputs["position_ids"].dim() != 2:

@@ -2,6 +2,7 @@
 
     ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
     ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per micro-batch, reduced over ranks
+                                                          # (row_tokens=[...]: the shared-prompt layout's rows)
     for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.metrics()                                         # reads the exact exposures, one transfer
     ctl.end_mini_batch(measured_peak_bytes)
@@ -11,6 +12,13 @@
 Memory model of the actor update's peak (what the planner must keep under the budget):
 
     peak = static + unmanaged + sum_u memory(u, option) + transient reserve (largest unit's saved bytes)
+
+A micro-batch has two sizes where each group's prompt is computed once (hilore.shared_prompt): the
+tokens its layers compute, T (the shared layout's row), and the tokens of the ordinary packed row,
+N >= T (what the head, verl's log-probs and its loss see). Units and the transient reserve follow T;
+the unmanaged bytes (the head's logits and the loss's state are most of them) and the gc_ratio budget
+follow N: the budget stays a multiple of GC's peak without the layout, the memory the update had before
+the switch, so the layout's saving can be spent on keeping more. Without the layout N = T.
 
 Risk: micro-batch i's lossy units may spend sqrt(sum_u risk(u)^2) up to its allowance, the
 mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly over micro-batches
@@ -83,15 +91,17 @@ class Controller:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
                              f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
         self._cache: dict[tuple, tuple[dict[str, str], bool]] = {}  # key -> (plan, whether the arm chose it)
-        self._micro: list[tuple[float, int]] = []
+        self._micro: list[tuple[float, int, int]] = []  # per micro-batch: (exposure, T, N) (module docstring)
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
 
     # ------------------------------------------------------------------ memory model
-    def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
-        return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
+    def predicted_peak(self, plan: dict[str, str], tokens: int, row: int | None = None) -> float:
+        """The update's peak under `plan` for a micro-batch whose layers compute `tokens` and whose
+        packed row holds `row` (default: the same; module docstring)."""
+        return self.static_bytes + self.held_bytes(plan, tokens, row) + self.costs.transient(tokens)
 
     def gc_plan(self) -> dict[str, str]:
         """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
@@ -111,55 +121,69 @@ class Controller:
         """The peak a plan for `tokens` may predict (the budget, tightened, plus rounding slack)."""
         return self.memory_budget_at(tokens) * self.memory_factor * (1 + 1e-9)
 
-    def activation_budget(self, tokens: int) -> float:
-        free = (self.memory_budget_at(tokens) * self.memory_factor - self.static_bytes
-                - self.costs.unmanaged(tokens) - self.costs.transient(tokens))
+    def activation_budget(self, tokens: int, row: int | None = None) -> float:
+        row = tokens if row is None else row
+        free = (self.memory_budget_at(row) * self.memory_factor - self.static_bytes
+                - self.costs.unmanaged(row) - self.costs.transient(tokens))
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int],
-                         seconds_per_token: float | None = None) -> None:
-        """Per micro-batch: exposure (L2 of c) and tokens, as figures global to the data-parallel group
-        (the session reduces them: sum of squares, max), so that micro-batch i gets the same plan on
-        every rank. `seconds_per_token`: the last mini-batch's measured time per trained token (the
-        slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py)."""
+                         seconds_per_token: float | None = None, row_tokens: list[int] | None = None) -> None:
+        """Per micro-batch: exposure (L2 of c) and tokens its layers compute, as figures global to the
+        data-parallel group (the session reduces them: sum of squares, max), so that micro-batch i gets
+        the same plan on every rank; `row_tokens`: its ordinary packed row's, where the shared-prompt
+        layout computes fewer (default: `tokens`). `seconds_per_token`: the last mini-batch's measured
+        time per computed token (the slowest rank's; None when not timed), for the measured choice of
+        arm (planner/arms.py)."""
         n = len(exposure_l2)
-        if n != len(tokens) or n == 0:
-            raise ValueError(f"need one exposure and one token count per micro-batch; got {n} and {len(tokens)}")
+        row_tokens = list(tokens) if row_tokens is None else list(row_tokens)
+        if n != len(tokens) or n != len(row_tokens) or n == 0:
+            raise ValueError(f"need one exposure and one token count per micro-batch; got {n}, {len(tokens)} "
+                             f"and {len(row_tokens)} row counts")
+        if any(r < t for r, t in zip(row_tokens, tokens)):
+            raise ValueError(f"a micro-batch's packed row holds fewer tokens than its layers compute: "
+                             f"{row_tokens} < {list(tokens)}")
         self.arms.record(seconds_per_token)
         self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
-        self._micro = [(float(e), int(t)) for e, t in zip(exposure_l2, tokens)]
+        self._micro = [(float(e), int(t), int(r)) for e, t, r in zip(exposure_l2, tokens, row_tokens)]
         self._audit_result = None
 
     def exposure_l2(self, index: int) -> float:
         """Global (all-reduced) exposure of micro-batch `index` of this mini-batch."""
         return self._micro[index][0]
 
+    def tokens(self, index: int) -> tuple[int, int]:
+        """Micro-batch `index`'s (tokens its layers compute, tokens of its packed row), as planned."""
+        return self._micro[index][1], self._micro[index][2]
+
     def plan_micro_batch(self, index: int) -> dict[str, str]:
         """Solve (or reuse) the plan for one local micro-batch and hand it to the runtime."""
-        l2, tokens = self._micro[index]  # global figures: the same on every rank
+        l2, tokens, row = self._micro[index]  # global figures: the same on every rank
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
+        bucket_row = math.ceil(row * bucket / tokens)  # the bucket at this micro-batch's share of its row
         allowance = math.sqrt(self._allowance2)
-        key = (bucket, round(l2 / allowance, 2) if allowance > 0 else (0.0 if l2 == 0 else math.inf),
-               round(self.memory_factor, 4), self.arms.arm)
+        key = (bucket, round(tokens / row, 2), round(l2 / allowance, 2) if allowance > 0 else
+               (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
         keep = {u.name: "keep" for u in self.costs.units}
         # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
-        cached = (keep, False) if self.predicted_peak(keep, tokens) <= self.limit(tokens) else self._cache.get(key)
+        fits_kept = self.predicted_peak(keep, tokens, row) <= self.limit(row)
+        cached = (keep, False) if fits_kept else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
-                cached = self._cache[key] = self._choose(l2, bucket, allowance)
+                cached = self._cache[key] = self._choose(l2, bucket, allowance, bucket_row)
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
-                cached = self._choose(l2, tokens, allowance)
+                cached = self._choose(l2, tokens, allowance, row)
         plan, choice = cached
-        peak = self.predicted_peak(plan, tokens)
-        if peak > self.limit(tokens):
+        peak = self.predicted_peak(plan, tokens, row)
+        if peak > self.limit(row):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
-            plan, choice = self._choose(l2, tokens, allowance)
-            peak = self.predicted_peak(plan, tokens)
+            plan, choice = self._choose(l2, tokens, allowance, row)
+            peak = self.predicted_peak(plan, tokens, row)
         self.arms.informative |= choice
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
@@ -171,11 +195,12 @@ class Controller:
         return plan
 
     def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
-                 exclude: tuple[str, str] | None = None) -> dict[str, str]:
-        """The plan for one micro-batch of `tokens` tokens, without handing it to a runtime (what-if
-        planning; allowance 0 or no risk model: keep / recompute only). `exclude`: (unit, option) the
-        plan may not use (the best plan without it: the runner-up, planner/ranking.py)."""
-        return self._solve(exposure_l2, tokens, allowance, exclude)
+                 exclude: tuple[str, str] | None = None, row: int | None = None) -> dict[str, str]:
+        """The plan for one micro-batch of `tokens` tokens (`row`: its ordinary packed row's, module
+        docstring), without handing it to a runtime (what-if planning; allowance 0 or no risk model:
+        keep / recompute only). `exclude`: (unit, option) the plan may not use (the best plan without
+        it: the runner-up, planner/ranking.py)."""
+        return self._solve(exposure_l2, tokens, allowance, exclude, row)
 
     def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
         """Option names ("int8+offload", ...) as the runtime's UnitPlans (the cost table's group size;
@@ -189,13 +214,14 @@ class Controller:
         return UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload),
                         stochastic=self.stochastic)
 
-    def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
-        """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
+    def held_bytes(self, plan: dict[str, str], tokens: int, row: int | None = None) -> float:
+        """Predicted bytes held at the end of the forward: the plan's units at `tokens` plus unmanaged
+        state at `row` (default: `tokens`)."""
         held = self.costs.held(plan, tokens)
         k = self.costs.scale(tokens)
         if self.costs.region_saving_bytes and self.runtime is not None:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
-        return held + self.costs.unmanaged(tokens)
+        return held + self.costs.unmanaged(tokens if row is None else row)
 
     def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:
         """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
@@ -211,12 +237,12 @@ class Controller:
         overhead = 0.0 if plan in hands_off else self.costs.runtime_overhead_s
         return self.costs.pass_seconds(plan, tokens) + overhead
 
-    def _choose(self, l2: float, tokens: int, allowance: float) -> tuple[dict[str, str], bool]:
+    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, str], bool]:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
         (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py)."""
-        plan = self._solve(l2, tokens, allowance)
+        plan = self._solve(l2, tokens, allowance, row=row)
         if self.runtime is None:  # what-if planning: nothing runs
             return plan, False
         baselines = [{u.name: "keep" for u in self.costs.units}]
@@ -224,9 +250,9 @@ class Controller:
         baselines += [checkpoint] if checkpoint is not None else []
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
-        limit, seconds = self.limit(tokens), self.plan_seconds(plan, tokens)
+        limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
-                if self.predicted_peak(b, tokens) <= limit]
+                if self.predicted_peak(b, tokens, row) <= limit]
         if not fits:
             return plan, False
         baseline = baselines[min(fits)[1]]
@@ -236,7 +262,8 @@ class Controller:
             return plan, False
         return (baseline if self.arms.arm == "baseline" else plan), True
 
-    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, str] | None = None) -> dict[str, str]:
+    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, str] | None = None,
+               row: int | None = None) -> dict[str, str]:
         risk = None
         if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
             risk = lambda unit, fmt: self.risk.unit_risk(unit, self._unit_plan(fmt), l2)  # noqa: E731
@@ -244,8 +271,8 @@ class Controller:
                    for u in self.costs.units]
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
-        budget = self.activation_budget(tokens)
-        limit = self.limit(tokens)
+        budget = self.activation_budget(tokens, row)
+        limit = self.limit(tokens if row is None else row)
         # Units are priced one by one (a recomputed unit at what it holds itself); what a layer holds more
         # as one region (its inputs, the outputs it replays) only the memory model knows. So the solver
         # runs again while the model says its plan does not fit, each layer's region bytes of the last
@@ -263,7 +290,7 @@ class Controller:
                 failure = err
                 break
             plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
-            fits = self.predicted_peak(plan, tokens) <= limit
+            fits = self.predicted_peak(plan, tokens, row) <= limit
             if fits:
                 if plan in fitting:
                     break
@@ -276,16 +303,16 @@ class Controller:
                     share = extra / max(recomputed, 1)
                     surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
         bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
-        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
+        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens, row) <= limit]
         if not fitting:
             if exclude is not None or self.memory_factor >= 1.0:
                 raise failure or Infeasible("no plan fits the memory budget")
             # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
             # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
-            return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
-        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
+            return min(bounds, key=lambda p: self.predicted_peak(p, tokens, row))
+        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens, row), allowance ** 2)
                    for p in fitting]
-        fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
+        fitting = [p for p in refined if self.predicted_peak(p, tokens, row) <= limit] + fitting
         return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
 
     @staticmethod
@@ -326,7 +353,7 @@ class Controller:
     def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
         """If the measured peak went over the budget, plan tighter from now on. (A gc_ratio budget is
         the one of the mini-batch's largest micro-batch: it follows the token count.)"""
-        budget = max((self.memory_budget_at(t) for _, t in self._micro), default=self.memory_budget)
+        budget = max((self.memory_budget_at(row) for _, _, row in self._micro), default=self.memory_budget)
         if measured_peak_bytes is not None and measured_peak_bytes > budget * self.memory_factor:
             self.memory_factor *= 0.95 * budget * self.memory_factor / measured_peak_bytes
 
@@ -341,7 +368,7 @@ class Controller:
         `exposure_l2`: the global (all-reduced) exposure per micro-batch to choose by (default: the
         ones `begin_mini_batch` all-reduced). The choice depends on nothing else, so every
         data-parallel rank audits the same micro-batch index, as the audit's all-reduce needs."""
-        exposures = [l2 for l2, _ in self._micro] if exposure_l2 is None else list(exposure_l2)
+        exposures = [m[0] for m in self._micro] if exposure_l2 is None else list(exposure_l2)
         candidates = [i for i, l2 in enumerate(exposures) if l2 > 0]
         if not candidates:
             return None
@@ -419,7 +446,7 @@ class Controller:
         out = {f"hilore/plan/units_{m}": float(n) for m, n in counts.items()}
         out.update(self.arms.metrics())
         out.update({"hilore/plan/predicted_peak_gib": last.predicted_peak / 2**30,
-                    "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][1]) * self.memory_factor / 2**30,
+                    "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][2]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
                     "hilore/plan/solver_ms": last.solve_ms})
         if last.spent_risk is not None:

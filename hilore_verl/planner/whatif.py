@@ -75,7 +75,12 @@ class WhatIf:
 
 
 def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_mem_gib: float,
-            budget: BudgetConfig, flops_per_s: float = 400e12, bytes_per_s: float = 3e12) -> WhatIf:
+            budget: BudgetConfig, flops_per_s: float = 400e12, bytes_per_s: float = 3e12,
+            row: int | None = None) -> WhatIf:
+    """The plan for micro-batches whose layers compute `tokens`; `row`: the ordinary packed row's tokens
+    where the shared-prompt layout computes fewer (the head's and the gc_ratio budget's size, as the
+    controller counts them)."""
+    row = tokens if row is None else row
     costs = analytic_costs(config, tokens, seq_len, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
                            formats=())
     from transformers import AutoModelForCausalLM
@@ -90,16 +95,18 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
     if controller.gc_peak > capacity:
         raise ValueError(f"full recompute alone needs {controller.gc_peak / GIB:.2f} GiB per GPU, more than the "
                          f"{gpu_mem_gib:g} GiB of the device: use fewer --micro-batch-tokens or more --gpus")
-    if controller.memory_budget > capacity:
-        raise ValueError(f"the budget {controller.memory_budget / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
+    budget_bytes = controller.memory_budget_at(row)
+    if budget_bytes > capacity:
+        raise ValueError(f"the budget {budget_bytes / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
                          f"of the device: lower --budget (e.g. gib:{gpu_mem_gib * 0.9:.0f} or auto:2)")
-    plan = controller.plan_for(tokens)
+    plan = controller.plan_for(tokens, row=row)
     options = {u.name: {o.name: o for o in costs.options(u, tokens)} for u in costs.units}
     chosen = {n: options[n][c] for n, c in plan.items()}
     recompute = {n: options[n]["recompute"] for n in plan}
-    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens)
-    return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, controller.gc_peak / GIB, no_gc / GIB,
-                  controller.memory_budget / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
+    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens, row)
+    gc_peak = controller.predicted_peak(controller.gc_plan(), tokens, row)
+    return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, gc_peak / GIB, no_gc / GIB,
+                  budget_bytes / GIB, controller.predicted_peak(plan, tokens, row) / GIB, plan,
                   {n: o.memory / 2**20 for n, o in chosen.items()}, sum(o.time for o in recompute.values()),
                   sum(o.time for o in chosen.values()),
                   sum(costs.forward(u, tokens) for u in costs.units))
@@ -123,7 +130,9 @@ def shared_summary(plain: WhatIf, shared: WhatIf, prompt_len: int, response_len:
             f"{shared.tokens} instead of {plain.tokens} tokens per micro-batch "
             f"({100 * (1 - shared.tokens / plain.tokens):.0f}% fewer); full GC peak {shared.gc_peak_gib:.2f} "
             f"instead of {plain.gc_peak_gib:.2f} GiB; predicted time saved against full GC without it: "
-            f"{100 * gc_saved:.1f}% with full GC, {100 * plan_saved:.1f}% with the plan at its budget")
+            f"{100 * gc_saved:.1f}% with full GC, {100 * plan_saved:.1f}% with the plan at its budget "
+            f"({shared.budget_gib:.2f} GiB, GC's without the layout; this plan {shared.peak_gib:.2f} GiB, "
+            f"{sum(c == 'keep' for c in shared.plan.values())} of {len(shared.plan)} units kept)")
 
 
 def parse_budget(text: str) -> BudgetConfig:

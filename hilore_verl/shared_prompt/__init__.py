@@ -16,7 +16,7 @@ from hilore_verl.shared_prompt.attention import (
     shared_prompt_attention,
     uninstall,
 )
-from hilore_verl.shared_prompt.layout import GroupSpan, SharedLayout
+from hilore_verl.shared_prompt.layout import GroupSpan, SharedLayout, shared_token_count
 from hilore_verl.shared_prompt.logprobs import shared_log_probs, shared_logits, unshared_log_probs
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "shared_log_probs",
     "shared_logits",
     "shared_prompt_attention",
+    "shared_token_count",
     "uninstall",
     "unshared_log_probs",
 ]

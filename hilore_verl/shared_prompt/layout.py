@@ -213,6 +213,23 @@ class SharedLayout:
         return mask
 
 
+def shared_token_count(sequences: Sequence[tuple[Hashable | None, int, int]]) -> int:
+    """L, the row `SharedLayout.build` lays out, from (prompt key, P, R) per sequence and without building
+    it: each key's prompt once, every response, and a sequence without a key whole. Keys are the prompts
+    themselves (equal keys, equal prompts), as the engine and the bench group them.
+
+        L = sum over keys of P_key + sum over sequences of R_i   (+ P_i for sequences without a key)"""
+    prompts: dict[Hashable, int] = {}
+    total = 0
+    for key, prompt_len, response_len in sequences:
+        total += int(response_len)
+        if key is None:
+            total += int(prompt_len)
+        else:
+            prompts.setdefault(key, int(prompt_len))
+    return total + sum(prompts.values())
+
+
 class MaskCache:
     """Segment masks by (segment, window, device); shared by every copy of a layout."""
 
