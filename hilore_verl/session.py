@@ -42,6 +42,7 @@ from hilore_verl.runtime import Runtime, UnitPlan
 from hilore_verl.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
+HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's second probe
 
 
 class Passes(Protocol):
@@ -146,9 +147,15 @@ class Session:
         probe = self._probe(micro_batches[0], bound)  # whole sequences, at most `bound` tokens
         lengths = passes.lengths(probe)
         half = half_probe(lengths, list(range(len(lengths))))
+        small = passes.select(probe, half) if half is not None else None
+        # the half probe must compute about half the probe's tokens: sequences sharing one prompt
+        # (hilore.shared_prompt) halve the row but not the prompt, and a second probe barely smaller
+        # than the first would read noise as growth faster than linear (then every figure scales linearly)
+        if small is not None and passes.layer_tokens(small) > HALF_PROBE_AT_MOST * passes.layer_tokens(probe):
+            small = None
         # ranks run the same probe passes (FSDP collectives): the half probe only where every rank has one
-        every = self.collectives.reduce([float(half is not None)], "min")[0]
-        small = passes.select(probe, half) if half is not None and every else None
+        if not self.collectives.reduce([float(small is not None)], "min")[0]:
+            small = None
 
         def run(batch):
             return lambda: passes.train_pass(batch)
