@@ -248,3 +248,48 @@ def test_the_token_count_is_the_row_the_layout_builds(seed):
         sequences.append((None if alone else tuple(prompt.tolist()), prompt, response))
     layout = SharedLayout.build(sequences)
     assert shared_token_count([(k, p.numel(), r.numel()) for k, p, r in sequences]) == layout.shared_tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batches_keep_groups_together_within_verls_bounds(seed):
+    """group_micro_batches: every sequence once, every micro-batch within the token limit (or size) and
+    non-empty, at least `at_least` of them, and a group that fits one micro-batch is never split."""
+    from hilore_verl.shared_prompt.grouping import group_micro_batches
+
+    rng = random.Random(seed)
+    groups, n = rng.randint(1, 5), rng.choice([1, 2, 4, 8])
+    prompt = {g: rng.randint(1, 40) for g in range(groups)}
+    keys, lengths, prompts = [], [], []
+    for g in range(groups):
+        for _ in range(n):
+            keys.append(None if rng.random() < 0.1 else g)
+            prompts.append(prompt[g])
+            lengths.append(prompt[g] + rng.randint(0, 30))
+    order = list(range(len(keys)))
+    rng.shuffle(order)  # scattered, as verl's trainer can hand them
+    keys, lengths, prompts = ([xs[i] for i in order] for xs in (keys, lengths, prompts))
+    limit = max(lengths) + rng.randint(0, 150)
+    for bound in ({"max_tokens": limit}, {"size": rng.randint(1, 6)}):
+        at_least = rng.randint(1, 3)
+        parts = group_micro_batches(keys, lengths, prompts, at_least, **bound)
+        if parts is None:  # only when there are too few sequences for at_least micro-batches
+            assert len(keys) < at_least + 1 or "size" in bound
+            continue
+        assert sorted(i for p in parts for i in p) == list(range(len(keys))) and all(parts)
+        assert len(parts) >= at_least
+        for p in parts:
+            assert (sum(lengths[i] for i in p) <= limit) if "max_tokens" in bound else len(p) <= bound["size"]
+        for g in range(groups):
+            members = [i for i, k in enumerate(keys) if k == g]
+            whole = sum(lengths[i] for i in members) if "max_tokens" in bound else len(members)
+            if members and whole <= next(iter(bound.values())) and len(parts) <= len({k for k in keys}):
+                assert sum(any(i in p for i in members) for p in parts) == 1, (g, parts)
+
+
+def test_a_split_that_cannot_fill_the_micro_batches_is_refused():
+    from hilore_verl.shared_prompt.grouping import group_micro_batches
+
+    assert group_micro_batches([1, 1], [5, 5], [2, 2], at_least=3, max_tokens=100) is None
+    assert group_micro_batches([1, 1, 2], [5, 5, 5], [2, 2, 2], at_least=3, max_tokens=100) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="longer than max_tokens"):
+        group_micro_batches([1], [50], [2], max_tokens=10)

@@ -275,8 +275,7 @@ def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
     or "no_gc", the predicted peak of keeping every unit at the tokens it forwards."""
     base = method.controller
     if ratio == "no_gc":
-        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.layer_tokens(batch),
-                                                          method.trained_tokens(batch)) / 2**30)
+        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.layer_tokens(batch)) / 2**30)
     else:
         budget = BudgetConfig("gc_ratio", float(ratio))
     return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,

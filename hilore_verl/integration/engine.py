@@ -106,11 +106,13 @@ def to_engine_batch(
     global_batch_size: int | None = None,
     temperature: float = 1.0,
     calculate_entropy: bool = False,
+    max_token_len_per_gpu: int | None = None,
 ):
     """A padded mini-batch (see hilore_verl.workload) as the TensorDict verl's engine.train_batch takes.
 
     `global_batch_size`: sequences in the mini-batch over all data-parallel ranks (ppo_loss
-    normalises sequence-mean modes by it); defaults to this batch's size.
+    normalises sequence-mean modes by it); defaults to this batch's size. `max_token_len_per_gpu`:
+    dynamic batch sizes (micro-batches of at most that many tokens) instead of fixed ones.
     """
     fields = {k: v for k, v in batch.items() if k in BATCH_FIELDS}
     bsz = fields["input_ids"].shape[0]
@@ -119,11 +121,13 @@ def to_engine_batch(
     tu.assign_non_tensor(
         td,
         use_remove_padding=use_remove_padding,
-        use_dynamic_bsz=False,
+        use_dynamic_bsz=max_token_len_per_gpu is not None,
         micro_batch_size_per_gpu=micro_batch_size_per_gpu,
         use_fused_kernels=False,
         temperature=temperature,
         calculate_entropy=calculate_entropy,
         global_batch_size=global_batch_size if global_batch_size is not None else bsz,
     )
+    if max_token_len_per_gpu is not None:
+        tu.assign_non_tensor(td, max_token_len_per_gpu=max_token_len_per_gpu)
     return td

@@ -37,7 +37,7 @@ from hilore_verl.integration.collectives import collectives_for
 from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.device_memory import available_bytes, compute_device
 from hilore_verl.integration.loss import batch_skip_refusal, skip_refusal
-from hilore_verl.integration.shared_prompt import SharedPrompt, unsupported_model
+from hilore_verl.integration.shared_prompt import SharedPrompt, agreed_split, unsupported_model
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
@@ -302,6 +302,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                               lambda mb: int(mb["input_ids"].values().numel()))
         finally:
             self._taken = None
+            if self._shared is not None:
+                self._shared.forget_split()
         if self.is_mp_src_rank_with_outputs():
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
             metrics.update(layout.metrics() if layout is not None else {})
@@ -327,6 +329,11 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
                                self.session.collectives)
             if layout.micro_batches is not None:
                 return [tu.index_select_tensor_dict(data, i) for i in layout.micro_batches], None, layout
+        if self._shared is not None:  # each group's sequences in one micro-batch where verl's bounds allow
+            parts = agreed_split(lambda at_least: self._shared.split(data, list(range(len(data))), at_least),
+                                 self.session.collectives)
+            if parts is not None:
+                return [tu.index_select_tensor_dict(data, p) for p in parts], parts, layout
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         return micro_batches, indices, layout
 
@@ -349,7 +356,11 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return [not m for m in both[0]], both[1]
 
     def _split_kept(self, data, kept: list[int], at_least: int) -> list[list[int]]:
-        """verl's split of the sequences `kept` on this rank alone, into at least `at_least` micro-batches."""
+        """verl's split of the sequences `kept` on this rank alone, into at least `at_least` micro-batches
+        (groups together, with the shared-prompt layout)."""
+        parts = self._shared.split(data, kept, at_least) if self._shared is not None else None
+        if parts is not None:
+            return parts
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             return skip.chunks(kept, int(data["micro_batch_size_per_gpu"]), at_least)
         sub = tu.index_select_tensor_dict(data, kept)

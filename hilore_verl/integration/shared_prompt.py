@@ -30,6 +30,7 @@ import logging
 import torch
 
 from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install, shared_layout, shared_token_count
+from hilore_verl.shared_prompt.grouping import group_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class SharedPrompt:
         self.keeps_logits = keeps_logits  # the model's forward takes `logits_to_keep` (an index tensor)
         self.sp_size = sp_size
         self._active = contextlib.ExitStack()
+        self._keys: tuple | None = None  # (mini-batch, per sequence (prompt key, tokens, prompt tokens))
 
     @classmethod
     def install(cls, model: torch.nn.Module, sp_size: int = 1) -> "SharedPrompt":
@@ -138,6 +140,36 @@ class SharedPrompt:
         if micro_batch.get("multi_modal_inputs", None) is not None:
             return "inputs beyond ids and 1-D positions (multi-modal, cu_seqlens)"
         return None
+
+    def split(self, data, index: list[int], at_least: int) -> list[list[int]] | None:
+        """The sequences `index` of verl's mini-batch `data` in micro-batches within verl's bounds (its
+        token limit with dynamic batch sizes, else its micro-batch size), each group's sequences
+        together where the bound allows (shared_prompt/grouping.py); None where the split cannot be
+        read or the sequences cannot fill `at_least` micro-batches (then verl's split is used)."""
+        import verl.utils.tensordict_utils as tu
+
+        if self._refusal(data) is not None:
+            return None
+        if self._keys is None or self._keys[0] is not data:
+            sequences = _sequences(data)
+            self._keys = (data, None if sequences is None else
+                          [(key, prompt.numel() + response.numel(), prompt.numel()) for key, prompt, response in sequences])
+        rows = self._keys[1]
+        if rows is None:
+            return None
+        keys, lengths, prompts = (list(col) for col in zip(*(rows[i] for i in index)))
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            bound = {"max_tokens": int(data["max_token_len_per_gpu"]) * self.sp_size}
+        elif tu.get_non_tensor_data(data=data, key="return_model_output", default=False):
+            return None  # verl puts outputs back in order only for dynamic batch sizes: keep its order
+        else:
+            bound = {"size": int(data["micro_batch_size_per_gpu"])}
+        parts = group_micro_batches(keys, lengths, prompts, at_least, **bound)
+        return None if parts is None else [[index[j] for j in part] for part in parts]
+
+    def forget_split(self) -> None:
+        """The mini-batch's prompt keys are read once per mini-batch; drop them after its step."""
+        self._keys = None
 
     def tokens(self, micro_batch) -> int:
         """The tokens the model's layers will compute for `micro_batch`: the shared layout's row L, or
@@ -201,3 +233,18 @@ class SharedPrompt:
         if not stats:
             return {}
         return {"hilore/shared/token_share": sum(s[0] for s in stats) / max(sum(s[1] for s in stats), 1)}
+
+
+def agreed_split(split, collectives, rounds: int = 8) -> list[list[int]] | None:
+    """`split(at_least)` on every data-parallel rank until all return the same number of micro-batches
+    (verl's FSDP collectives run once per micro-batch on every rank); None on every rank when a rank
+    cannot split (or the count does not settle)."""
+    parts = split(1)
+    for _ in range(rounds):
+        counts = [row[0] for row in collectives.gather([float(len(parts)) if parts is not None else -1.0])]
+        if min(counts) < 0:
+            return None
+        if min(counts) == max(counts):
+            return parts
+        parts = split(int(max(counts)))
+    return None

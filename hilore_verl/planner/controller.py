@@ -15,10 +15,10 @@ Memory model of the actor update's peak (what the planner must keep under the bu
 
 A micro-batch has two sizes where each group's prompt is computed once (hilore.shared_prompt): the
 tokens its layers compute, T (the shared layout's row), and the tokens of the ordinary packed row,
-N >= T (what the head, verl's log-probs and its loss see). Units and the transient reserve follow T;
-the unmanaged bytes (the head's logits and the loss's state are most of them) and the gc_ratio budget
-follow N: the budget stays a multiple of GC's peak without the layout, the memory the update had before
-the switch, so the layout's saving can be spent on keeping more. Without the layout N = T.
+N >= T. Every figure of the memory model follows T, as the probe measured them (its head and loss
+state on its own N for its T: about the micro-batch's share); the gc_ratio budget follows N: it stays
+a multiple of GC's peak without the layout, the memory the update had before the switch, so the
+layout's saving can be spent on keeping more. Without the layout N = T.
 
 Risk: micro-batch i's lossy units may spend sqrt(sum_u risk(u)^2) up to its allowance, the
 mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly over micro-batches
@@ -98,10 +98,8 @@ class Controller:
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
 
     # ------------------------------------------------------------------ memory model
-    def predicted_peak(self, plan: dict[str, str], tokens: int, row: int | None = None) -> float:
-        """The update's peak under `plan` for a micro-batch whose layers compute `tokens` and whose
-        packed row holds `row` (default: the same; module docstring)."""
-        return self.static_bytes + self.held_bytes(plan, tokens, row) + self.costs.transient(tokens)
+    def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
+        return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
 
     def gc_plan(self) -> dict[str, str]:
         """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
@@ -124,7 +122,7 @@ class Controller:
     def activation_budget(self, tokens: int, row: int | None = None) -> float:
         row = tokens if row is None else row
         free = (self.memory_budget_at(row) * self.memory_factor - self.static_bytes
-                - self.costs.unmanaged(row) - self.costs.transient(tokens))
+                - self.costs.unmanaged(tokens) - self.costs.transient(tokens))
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
@@ -170,7 +168,7 @@ class Controller:
         start = time.perf_counter()
         keep = {u.name: "keep" for u in self.costs.units}
         # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
-        fits_kept = self.predicted_peak(keep, tokens, row) <= self.limit(row)
+        fits_kept = self.predicted_peak(keep, tokens) <= self.limit(row)
         cached = (keep, False) if fits_kept else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
@@ -178,12 +176,12 @@ class Controller:
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
                 cached = self._choose(l2, tokens, allowance, row)
         plan, choice = cached
-        peak = self.predicted_peak(plan, tokens, row)
+        peak = self.predicted_peak(plan, tokens)
         if peak > self.limit(row):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
             plan, choice = self._choose(l2, tokens, allowance, row)
-            peak = self.predicted_peak(plan, tokens, row)
+            peak = self.predicted_peak(plan, tokens)
         self.arms.informative |= choice
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
@@ -214,14 +212,13 @@ class Controller:
         return UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload),
                         stochastic=self.stochastic)
 
-    def held_bytes(self, plan: dict[str, str], tokens: int, row: int | None = None) -> float:
-        """Predicted bytes held at the end of the forward: the plan's units at `tokens` plus unmanaged
-        state at `row` (default: `tokens`)."""
+    def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
+        """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
         held = self.costs.held(plan, tokens)
         k = self.costs.scale(tokens)
         if self.costs.region_saving_bytes and self.runtime is not None:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
-        return held + self.costs.unmanaged(tokens if row is None else row)
+        return held + self.costs.unmanaged(tokens)
 
     def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:
         """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
@@ -252,7 +249,7 @@ class Controller:
             return plan, False
         limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
-                if self.predicted_peak(b, tokens, row) <= limit]
+                if self.predicted_peak(b, tokens) <= limit]
         if not fits:
             return plan, False
         baseline = baselines[min(fits)[1]]
@@ -290,7 +287,7 @@ class Controller:
                 failure = err
                 break
             plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
-            fits = self.predicted_peak(plan, tokens, row) <= limit
+            fits = self.predicted_peak(plan, tokens) <= limit
             if fits:
                 if plan in fitting:
                     break
@@ -303,16 +300,16 @@ class Controller:
                     share = extra / max(recomputed, 1)
                     surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
         bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
-        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens, row) <= limit]
+        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
         if not fitting:
             if exclude is not None or self.memory_factor >= 1.0:
                 raise failure or Infeasible("no plan fits the memory budget")
             # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
             # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
-            return min(bounds, key=lambda p: self.predicted_peak(p, tokens, row))
-        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens, row), allowance ** 2)
+            return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
+        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
                    for p in fitting]
-        fitting = [p for p in refined if self.predicted_peak(p, tokens, row) <= limit] + fitting
+        fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
         return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
 
     @staticmethod

@@ -103,10 +103,10 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
     options = {u.name: {o.name: o for o in costs.options(u, tokens)} for u in costs.units}
     chosen = {n: options[n][c] for n, c in plan.items()}
     recompute = {n: options[n]["recompute"] for n in plan}
-    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens, row)
-    gc_peak = controller.predicted_peak(controller.gc_plan(), tokens, row)
+    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens)
+    gc_peak = controller.predicted_peak(controller.gc_plan(), tokens)
     return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, gc_peak / GIB, no_gc / GIB,
-                  budget_bytes / GIB, controller.predicted_peak(plan, tokens, row) / GIB, plan,
+                  budget_bytes / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
                   {n: o.memory / 2**20 for n, o in chosen.items()}, sum(o.time for o in recompute.values()),
                   sum(o.time for o in chosen.values()),
                   sum(costs.forward(u, tokens) for u in costs.units))
