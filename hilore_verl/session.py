@@ -160,8 +160,12 @@ class Session:
         def run(batch):
             return lambda: passes.train_pass(batch)
 
+        # a probe whose sequences share prompts: its half shares differently, so the pair prices no quadratic
+        # growth (the attention's segment squares and the head's share of response tokens change with
+        # the groups, not with the tokens); every rank the same way
+        quadratic = self.collectives.reduce([float(passes.layer_tokens(probe) == sum(lengths))], "min")[0] > 0
         costs = profile(self.runtime, run(probe), passes.layer_tokens(probe), element_size=passes.element_size,
-                        formats=c.formats, offload=c.offload, group_size=c.group_size,
+                        formats=c.formats, offload=c.offload, group_size=c.group_size, quadratic=quadratic,
                         small=None if small is None else (run(small), passes.layer_tokens(small)))
         risk = None
         if c.risk_budget > 0 and passes.has_coefficients:

@@ -293,3 +293,23 @@ def test_a_split_that_cannot_fill_the_micro_batches_is_refused():
     assert group_micro_batches([1, 1, 2], [5, 5, 5], [2, 2, 2], at_least=3, max_tokens=100) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="longer than max_tokens"):
         group_micro_batches([1], [50], [2], max_tokens=10)
+
+
+def test_a_group_is_shared_only_where_the_saved_tokens_outweigh_its_attention_square():
+    """ShareRule on the bench's model shape: a one-token prompt before long responses (P -> 0) is laid out
+    as before; a long prompt, or the default workload's, is shared; the count follows the rule."""
+    from hilore_verl.shared_prompt import ShareRule, shared_token_count
+
+    rule = ShareRule.of(build_tiny_model("qwen2"))
+    assert rule.flops_per_token > 0 and rule.flops_per_pair > 0
+    assert not rule.pays(1, [96] * 8) and not rule.pays(40, [5])
+    assert rule.pays(512, [128] * 8)
+    wide = ShareRule(flops_per_token=8e6, flops_per_pair=2048.0)  # the bench's default model, about
+    assert wide.pays(48, [96] * 8) and not wide.pays(1, [96] * 8)
+    g = torch.Generator().manual_seed(0)
+    for prompt_len, paid in ((1, False), (600, True)):
+        prompt = torch.randint(0, 50, (prompt_len,), generator=g)
+        sequences = [(0, prompt, torch.randint(0, 50, (40,), generator=g)) for _ in range(4)]
+        layout = SharedLayout.build(sequences, rule=rule)
+        assert (layout.shared_tokens < layout.unshared_tokens) == paid == rule.pays(prompt_len, [40] * 4)
+        assert shared_token_count([(k, p.numel(), r.numel()) for k, p, r in sequences], rule) == layout.shared_tokens

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hilore_verl.shared_prompt import (ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, install, shared_layout,
-                                       shared_token_count)
+from hilore_verl.shared_prompt import (ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, ShareRule, install,
+                                       shared_layout, shared_token_count)
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
@@ -258,11 +258,12 @@ def response_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> 
     return torch.log_softmax(rows.float(), dim=-1).gather(-1, batch["targets"][:, None]).squeeze(-1)
 
 
-def shared_inputs(batch: dict[str, torch.Tensor], share: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+def shared_inputs(batch: dict[str, torch.Tensor], share: bool = True,
+                  rule: ShareRule | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """A packed batch in the shared-prompt layout (hilore_verl/shared_prompt/): sequences with equal prompt
     tokens share one prompt (`share` false: every sequence its own segment, the ordinary row attended per
     sequence). Returns (the model's inputs, the batch with `logit_index` into the layout's row)."""
-    layout = SharedLayout.build(_sequences(batch, share), device=batch["input_ids"].device)
+    layout = SharedLayout.build(_sequences(batch, share), device=batch["input_ids"].device, rule=rule)
     inputs = {"input_ids": layout.input_ids, "position_ids": layout.position_ids, LAYOUT_KWARG: layout}
     return inputs, dict(batch, logit_index=layout.unshared_index[batch["logit_index"]])
 
@@ -285,7 +286,8 @@ def layer_tokens(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
     the model computes each group's prompt once (bench *_shared); what its planner sizes a step by."""
     if not (is_shared(model) and getattr(model, SHARE_ATTRIBUTE, False)):
         return tokens_of(batch)
-    return shared_token_count([(key, p.numel(), r.numel()) for key, p, r in _sequences(batch, True)])
+    return shared_token_count([(key, p.numel(), r.numel()) for key, p, r in _sequences(batch, True)],
+                              ShareRule.of(model))
 
 
 def is_shared(model: torch.nn.Module) -> bool:
@@ -300,7 +302,7 @@ def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Ten
     """Forward: the surrogate sum_t c_t log p_t; `head(fn, *args)` runs the log-prob part (a runtime's unit).
     A model with the shared-prompt attention installed runs the batch in the shared layout."""
     if is_shared(model):
-        inputs, batch = shared_inputs(batch, share=getattr(model, SHARE_ATTRIBUTE, False))
+        inputs, batch = shared_inputs(batch, share=getattr(model, SHARE_ATTRIBUTE, False), rule=ShareRule.of(model))
         with shared_layout(inputs[LAYOUT_KWARG]):  # the layout is the mask: the model builds no [L, L] one
             logits = model(**inputs, use_cache=False).logits
     else:

@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, install, shared_layout, shared_token_count
+from hilore_verl.shared_prompt import LAYOUT_KWARG, SharedLayout, ShareRule, install, shared_layout, shared_token_count
 from hilore_verl.shared_prompt.grouping import group_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -98,11 +98,12 @@ def _sequences(micro_batch) -> list | None:
 class SharedPrompt:
     """The two halves of one micro-batch's shared forward (module docstring); says each refusal once."""
 
-    def __init__(self, keeps_logits: bool = False, sp_size: int = 1) -> None:
+    def __init__(self, keeps_logits: bool = False, sp_size: int = 1, rule: ShareRule | None = None) -> None:
         self._said: set[str] = set()
         self.stats: list[tuple[int, int]] = []  # per forward: (shared tokens, unshared tokens)
         self.keeps_logits = keeps_logits  # the model's forward takes `logits_to_keep` (an index tensor)
         self.sp_size = sp_size
+        self.rule = rule  # which groups pay to share (None: every group with one prompt)
         self._active = contextlib.ExitStack()
         self._keys: tuple | None = None  # (mini-batch, per sequence (prompt key, tokens, prompt tokens))
 
@@ -110,7 +111,8 @@ class SharedPrompt:
     def install(cls, model: torch.nn.Module, sp_size: int = 1) -> "SharedPrompt":
         """The model's attention switched to the shared-prompt implementation (its base without a layout)."""
         install(model)
-        return cls("logits_to_keep" in inspect.signature(type(model).forward).parameters, sp_size)
+        return cls("logits_to_keep" in inspect.signature(type(model).forward).parameters, sp_size,
+                   ShareRule.of(model))
 
     @contextlib.contextmanager
     def scope(self):
@@ -181,7 +183,8 @@ class SharedPrompt:
         sequences = _sequences(micro_batch)
         if sequences is None:
             return row
-        return shared_token_count([(key, prompt.numel(), response.numel()) for key, prompt, response in sequences])
+        return shared_token_count([(key, prompt.numel(), response.numel()) for key, prompt, response in sequences],
+                                  self.rule)
 
     def rewrite(self, micro_batch, model_inputs: dict, output_args: dict) -> tuple[dict, dict]:
         """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
@@ -200,7 +203,7 @@ class SharedPrompt:
                 self._refuse(f"no readable prompt / response split (attention_mask and response_mask: {found})")
                 return model_inputs, output_args
             row, positions = model_inputs["input_ids"], model_inputs["position_ids"]
-            layout = SharedLayout.build(sequences, device=row.device)
+            layout = SharedLayout.build(sequences, device=row.device, rule=self.rule)
             index = layout.unshared_index
             if layout.unshared_tokens != row.shape[-1] or not (
                     torch.equal(layout.input_ids[0, index], row[0])

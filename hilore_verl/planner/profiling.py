@@ -64,6 +64,7 @@ SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, th
 SAMPLE_MAX_BYTES = 512 * 2**20
 CPU_SAMPLE_ELEMENTS = 1024 * 1024  # the CPU is bandwidth-bound at a few MiB: keep its probe cheap
 REPEATS = 3
+BYTES_NOISE = 0.02  # byte counts repeat exactly; a ratio this close to linear is priced linearly
 
 
 def _parts(clock: DeviceClock) -> int:
@@ -185,11 +186,14 @@ def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[st
 
 
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
-            small: tuple[Callable[[], None], int] | None = None, **kwargs) -> CostTable:
+            small: tuple[Callable[[], None], int] | None = None, quadratic: bool = True, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
     `small`: (run, tokens) of a probe of about half the tokens, on which the kept-layer and GC probes
     run again to find what grows faster than linearly (attention over a packed row: its dense mask and
-    its time); without it every figure scales linearly.
+    its time) and what does not grow (per-call time, autocast's weight copies); without it every figure
+    scales linearly. `quadratic` False: the second probe prices fixed shares only (where its sequences
+    are laid out unlike the micro-batches', e.g. sharing one prompt, growth between the two probes is
+    not growth with tokens).
 
     Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
     as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
@@ -296,7 +300,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
                                             for layer, n in probed_layers.items())
     unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
-    unmanaged_q = 0.0
+    unmanaged_q = unmanaged_fixed = saving_fixed = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
         r = small[1] / tokens
         small_first = next(iter(small_keeps.values()), small_whole)
@@ -304,26 +308,33 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                        for u in probed + heads}
         # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
         sized = [_group_times({u.name: group[u.name] for u in units}, runs[size]) for size in (True, False)]
+        grows = quadratic_share if quadratic else (lambda *_: 0.0)
         for u in units:
-            u.saved_quadratic = quadratic_share(saved_small[group[u.name]], u.saved_bytes, r)
-            u.forward_quadratic = quadratic_share(small_times[u.name], u.forward_s, r)
+            u.saved_quadratic = grows(saved_small[group[u.name]], u.saved_bytes, r)
+            u.forward_quadratic = grows(small_times[u.name], u.forward_s, r)
             (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
             u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
         unmanaged_small = max(keep_all(small_whole, small_keeps)
                               - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
-        unmanaged_q = quadratic_share(unmanaged_small, unmanaged, r)
+        unmanaged_q = grows(unmanaged_small, unmanaged, r)
+        unmanaged_fixed = 0.0 if unmanaged_q else fixed_share(unmanaged_small, unmanaged, r, BYTES_NOISE)
     saving = 0.0
     if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         table = CostTable(units, tokens, unmanaged, element_size)
         gc_costs = {u.name: "recompute" if u.name in gc_plan else "keep" for u in units}
-        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
+        blocks = runtime.whole_blocks(gc_plan)
+        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / blocks, 0.0)
+        if small is not None and saving > 0:  # the same at the small probe: what of it does not grow
+            saving_small = max((table.held(gc_costs, small[1]) + unmanaged_small - total(small_whole)) / blocks, 0.0)
+            saving_fixed = fixed_share(saving_small, saving, r, BYTES_NOISE)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
     nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
     codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
+                      unmanaged_quadratic=unmanaged_q, unmanaged_fixed=unmanaged_fixed,
+                      region_saving_fixed=saving_fixed, runtime_overhead_s=overhead, **kwargs)
     # the kept pass: a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
     measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(gc_passes), gc_plan)
     table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, "keep") for u in units}, tokens), 0.0)

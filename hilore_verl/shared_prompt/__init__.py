@@ -16,13 +16,14 @@ from hilore_verl.shared_prompt.attention import (
     shared_prompt_attention,
     uninstall,
 )
-from hilore_verl.shared_prompt.layout import GroupSpan, SharedLayout, shared_token_count
+from hilore_verl.shared_prompt.layout import GroupSpan, SharedLayout, ShareRule, shared_token_count
 from hilore_verl.shared_prompt.logprobs import shared_log_probs, shared_logits, unshared_log_probs
 
 __all__ = [
     "ATTENTION_NAME",
     "LAYOUT_KWARG",
     "GroupSpan",
+    "ShareRule",
     "SharedLayout",
     "install",
     "shared_attention",

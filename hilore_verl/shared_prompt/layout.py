@@ -36,6 +36,35 @@ SequenceSpec = tuple[Hashable | None, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class ShareRule:
+    """Whether a group's one prompt is worth its segment's attention square. Sharing saves (n - 1) P
+    tokens of the layers' linear work, and its attention (one masked square per segment) computes
+    (P + sum R)^2 query-key pairs where per-sequence causal kernels compute about sum (P + R_i)^2 / 2:
+
+        share  iff  ((P + sum R)^2 - sum (P + R_i)^2 / 2) * flops_per_pair <= (n - 1) P * flops_per_token
+
+    so a short prompt before many long responses (P -> 0) is laid out as before, never slower."""
+
+    flops_per_token: float  # the layers' linear work per token: 2 x a decoder layer's parameters
+    flops_per_pair: float  # attention work per query-key pair: 4 x heads x head dim (QK^T and PV)
+
+    @classmethod
+    def of(cls, model) -> "ShareRule":
+        """From a transformers causal LM: its first decoder layer's parameters, its heads."""
+        config = model.config
+        layer = model.get_decoder().layers[0]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(2.0 * sum(p.numel() for p in layer.parameters()), 4.0 * config.num_attention_heads * head_dim)
+
+    def pays(self, prompt_len: int, response_lens: Sequence[int]) -> bool:
+        n = len(response_lens)
+        if n < 2:
+            return False
+        extra = (prompt_len + sum(response_lens)) ** 2 - sum((prompt_len + r) ** 2 for r in response_lens) / 2
+        return extra * self.flops_per_pair <= (n - 1) * prompt_len * self.flops_per_token
+
+
+@dataclass(frozen=True)
 class GroupSpan:
     """One segment of the packed row: a prompt and the responses that attend to it."""
 
@@ -105,8 +134,10 @@ class SharedLayout:
         )
 
     @classmethod
-    def build(cls, sequences: Sequence[SequenceSpec], device: torch.device | str | None = None) -> "SharedLayout":
-        """Pack `sequences` (group id, prompt ids [P], response ids [R]); groups keep first-seen order."""
+    def build(cls, sequences: Sequence[SequenceSpec], device: torch.device | str | None = None,
+              rule: ShareRule | None = None) -> "SharedLayout":
+        """Pack `sequences` (group id, prompt ids [P], response ids [R]); groups keep first-seen order;
+        with a `rule`, a group it does not pay to share is laid out unshared."""
         if len(sequences) == 0:
             raise ValueError("SharedLayout.build needs at least one sequence")
         prompts: list[torch.Tensor] = []
@@ -144,7 +175,9 @@ class SharedLayout:
                 continue
             idx = members[key]
             first = prompts[idx[0]]
-            if all(torch.equal(prompts[j], first) for j in idx[1:]):
+            if rule is not None and not rule.pays(first.numel(), [responses[j].numel() for j in idx]):
+                segments.extend(([j], False) for j in idx)
+            elif all(torch.equal(prompts[j], first) for j in idx[1:]):
                 segments.append((idx, True))
             else:
                 segments.extend(([j], False) for j in idx)
@@ -213,21 +246,24 @@ class SharedLayout:
         return mask
 
 
-def shared_token_count(sequences: Sequence[tuple[Hashable | None, int, int]]) -> int:
+def shared_token_count(sequences: Sequence[tuple[Hashable | None, int, int]], rule: ShareRule | None = None) -> int:
     """L, the row `SharedLayout.build` lays out, from (prompt key, P, R) per sequence and without building
-    it: each key's prompt once, every response, and a sequence without a key whole. Keys are the prompts
-    themselves (equal keys, equal prompts), as the engine and the bench group them.
+    it: each key's prompt once (where `rule` shares it), every response, and a sequence without a key
+    whole. Keys are the prompts themselves (equal keys, equal prompts), as the engine and the bench
+    group them.
 
-        L = sum over keys of P_key + sum over sequences of R_i   (+ P_i for sequences without a key)"""
-    prompts: dict[Hashable, int] = {}
+        L = sum over shared keys of P_key + sum over the others' sequences of P_i + sum of all R_i"""
+    groups: dict[Hashable, tuple[int, list[int]]] = {}
     total = 0
     for key, prompt_len, response_len in sequences:
-        total += int(response_len)
         if key is None:
-            total += int(prompt_len)
+            total += int(prompt_len) + int(response_len)
         else:
-            prompts.setdefault(key, int(prompt_len))
-    return total + sum(prompts.values())
+            groups.setdefault(key, (int(prompt_len), []))[1].append(int(response_len))
+    for prompt_len, responses in groups.values():
+        shared = rule is None or rule.pays(prompt_len, responses)
+        total += sum(responses) + prompt_len * (1 if shared else len(responses))
+    return total
 
 
 class MaskCache:
