@@ -215,8 +215,9 @@ class Controller:
     def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
         """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
         held = self.costs.held(plan, tokens)
+        k = self.costs.scale(tokens)
         if self.costs.region_saving_bytes and self.runtime is not None:
-            held -= self.costs.region_saving(tokens) * self.runtime.whole_blocks(self.runtime_plan(plan))
+            held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
         return held + self.costs.unmanaged(tokens)
 
     def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:

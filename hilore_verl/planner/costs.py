@@ -64,12 +64,6 @@ class CostTable:
     inner calls hold no inputs of their own)."""
     unmanaged_quadratic: float = 0.0
     """Share of unmanaged_bytes that grows with tokens squared."""
-    unmanaged_fixed: float = 0.0
-    """Share of unmanaged_bytes that does not grow with tokens (e.g. autocast's low-precision weight
-    copies, held from the forward to the backward), from the two probes."""
-    region_saving_fixed: float = 0.0
-    """Share of region_saving_bytes that does not grow with tokens (what GC does not hold of a fixed
-    unmanaged part), from the two probes."""
     runtime_overhead_s: float = 0.0
     """Per micro-batch: what running a plan through the runtime's hooks costs over the same exact plan run
     hands-off (HF checkpointing), measured at the probe; priced as fixed (it follows the saved-tensor count)."""
@@ -107,11 +101,7 @@ class CostTable:
         return kept + self.seconds(plan, tokens)
 
     def unmanaged(self, tokens: int) -> float:
-        return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens, self.unmanaged_fixed)
-
-    def region_saving(self, tokens: int) -> float:
-        """`region_saving_bytes` at `tokens` (per whole recomputed layer)."""
-        return self.grow(self.region_saving_bytes, 0.0, tokens, self.region_saving_fixed)
+        return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens)
 
     def options(self, unit: UnitProfile, tokens: int, risk: Callable[[str, str], float] | None = None) -> list[Option]:
         """keep, recompute, then each format (and its offloaded variant when enabled)."""

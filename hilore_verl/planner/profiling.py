@@ -64,7 +64,6 @@ SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, th
 SAMPLE_MAX_BYTES = 512 * 2**20
 CPU_SAMPLE_ELEMENTS = 1024 * 1024  # the CPU is bandwidth-bound at a few MiB: keep its probe cheap
 REPEATS = 3
-BYTES_NOISE = 0.02  # byte counts repeat exactly; a ratio this close to linear is priced linearly
 
 
 def _parts(clock: DeviceClock) -> int:
@@ -190,10 +189,10 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
     `small`: (run, tokens) of a probe of about half the tokens, on which the kept-layer and GC probes
     run again to find what grows faster than linearly (attention over a packed row: its dense mask and
-    its time) and what does not grow (per-call time, autocast's weight copies); without it every figure
-    scales linearly. `quadratic` False: the second probe prices fixed shares only (where its sequences
-    are laid out unlike the micro-batches', e.g. sharing one prompt, growth between the two probes is
-    not growth with tokens).
+    its time) and the fixed per-call part of unit times; without it every figure scales linearly.
+    `quadratic` False: the second probe prices the fixed parts only (where its sequences are laid out
+    unlike the micro-batches', e.g. sharing one prompt, growth between the two probes is not growth
+    with tokens).
 
     Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
     as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
@@ -300,7 +299,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
                                             for layer, n in probed_layers.items())
     unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
-    unmanaged_q = unmanaged_fixed = saving_fixed = 0.0
+    unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
         r = small[1] / tokens
         small_first = next(iter(small_keeps.values()), small_whole)
@@ -317,24 +316,18 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         unmanaged_small = max(keep_all(small_whole, small_keeps)
                               - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
         unmanaged_q = grows(unmanaged_small, unmanaged, r)
-        unmanaged_fixed = 0.0 if unmanaged_q else fixed_share(unmanaged_small, unmanaged, r, BYTES_NOISE)
     saving = 0.0
     if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         table = CostTable(units, tokens, unmanaged, element_size)
         gc_costs = {u.name: "recompute" if u.name in gc_plan else "keep" for u in units}
-        blocks = runtime.whole_blocks(gc_plan)
-        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / blocks, 0.0)
-        if small is not None and saving > 0:  # the same at the small probe: what of it does not grow
-            saving_small = max((table.held(gc_costs, small[1]) + unmanaged_small - total(small_whole)) / blocks, 0.0)
-            saving_fixed = fixed_share(saving_small, saving, r, BYTES_NOISE)
+        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
     nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
     codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                      unmanaged_quadratic=unmanaged_q, unmanaged_fixed=unmanaged_fixed,
-                      region_saving_fixed=saving_fixed, runtime_overhead_s=overhead, **kwargs)
+                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
     # the kept pass: a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
     measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(gc_passes), gc_plan)
     table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, "keep") for u in units}, tokens), 0.0)

@@ -26,7 +26,7 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, str], 
     chosen = [next(k for k, o in enumerate(opts) if o.name == plan[u.name]) for u, opts in zip(units, options)]
     k = costs.scale(tokens)
     kept = [costs.options(u, tokens)[0].memory for u in units]  # "keep" comes first
-    saving = costs.region_saving(tokens)
+    saving = costs.region_saving_bytes * k
 
     def layer_bytes(members: list[int], picks: dict[int, int]) -> float:
         """What a layer's units hold under `picks` (member -> option index): options plus region bytes."""

@@ -65,16 +65,15 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     return state
 
 
-def _keys(where: str, value, expected: set, optional: set = frozenset()) -> None:
+def _keys(where: str, value, expected: set) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{where or 'the file'}: expected an object, got {type(value).__name__}")
-    missing, extra = sorted(expected - set(value) - optional), sorted(set(value) - expected)
+    missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
     problems = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unexpected {', '.join(extra)}"] if extra else [])
     if problems:
         raise ValueError(f"{where or 'the file'}: " + "; ".join(problems))
 
 
-NEWER_COSTS = frozenset({"unmanaged_fixed", "region_saving_fixed"})  # states saved before them: 0
 MAX_MAGNITUDE = 1e18  # above any byte count, time or sensitivity a real state holds; sums of them stay finite
 
 
@@ -91,7 +90,7 @@ def _number(where: str, value, ok=lambda v: True, valid: str = "", integer: bool
 def _check_costs(costs, unit_names: list[str] | None) -> None:
     from hilore_verl.kernels import FORMATS, GROUP_SIZES
 
-    _keys("state.costs", costs, {f.name for f in dataclasses.fields(CostTable)}, optional=NEWER_COSTS)
+    _keys("state.costs", costs, {f.name for f in dataclasses.fields(CostTable)})
     units = costs["units"]
     if not isinstance(units, list) or not units:
         raise ValueError("state.costs.units: expected a non-empty list")
@@ -121,8 +120,6 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
     for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
-    for key in NEWER_COSTS & set(costs):
-        _number(f"state.costs.{key}", costs[key], lambda v: 0 <= v <= 1, "in [0, 1]")
     for key in ("codec_bytes_per_s", "host_bytes_per_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")
     formats = costs["formats"]
