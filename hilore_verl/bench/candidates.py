@@ -19,7 +19,7 @@ class FixedPlan(Controller):
     """A controller whose every micro-batch gets `fixed` (its memory model and metrics as any other's)."""
     fixed: dict[str, str] = field(default_factory=dict)
 
-    def _choose(self, l2: float, tokens: int, allowance: float) -> tuple[dict[str, str], bool]:
+    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, str], bool]:
         return dict(self.fixed), False
 
 

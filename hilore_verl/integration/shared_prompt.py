@@ -132,6 +132,7 @@ class SharedPrompt:
     def _refusal(self, micro_batch) -> str | None:
         """Why a micro-batch cannot be shared, as far as its own flags tell (None: it may be)."""
         import verl.utils.tensordict_utils as tu
+        from verl.utils.model import extract_multi_modal_inputs
 
         if self.sp_size > 1:
             return "sequence parallelism (each rank holds part of the packed row)"
@@ -139,7 +140,7 @@ class SharedPrompt:
             return "use_remove_padding off"
         if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False):
             return "fused kernels (they return log-probs, not logits)"
-        if micro_batch.get("multi_modal_inputs", None) is not None:
+        if extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):  # as prepare_model_inputs reads them
             return "inputs beyond ids and 1-D positions (multi-modal, cu_seqlens)"
         return None
 
