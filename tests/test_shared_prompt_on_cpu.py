@@ -313,3 +313,56 @@ def test_a_group_is_shared_only_where_the_saved_tokens_outweigh_its_attention_sq
         layout = SharedLayout.build(sequences, rule=rule)
         assert (layout.shared_tokens < layout.unshared_tokens) == paid == rule.pays(prompt_len, [40] * 4)
         assert shared_token_count([(k, p.numel(), r.numel()) for k, p, r in sequences], rule) == layout.shared_tokens
+
+
+@pytest.mark.parametrize("case", ["plain", "grouped_heads_window", "softcap"])
+def test_the_flex_kernel_computes_what_the_per_segment_path_does(case):
+    """shared_prompt/flex.py's block mask (the CUDA kernel) against the per-segment SDPA path, forward on the
+    CPU (FlexAttention has no CPU backward; `hilore-verl gpu-check` runs both directions on CUDA)."""
+    from hilore_verl.shared_prompt.attention import shared_prompt_attention
+    from hilore_verl.shared_prompt.flex import flex_shared_attention
+
+    g = torch.Generator().manual_seed(len(case))
+    sequences = []
+    for gid, (prompt_len, responses) in enumerate([(7, [5, 9, 3]), (1, [6]), (12, [4, 4])]):
+        prompt = torch.randint(0, 50, (prompt_len,), generator=g)
+        sequences += [(gid, prompt, torch.randint(0, 50, (r,), generator=g)) for r in responses]
+    sequences.append((None, torch.randint(0, 50, (3,), generator=g), torch.randint(0, 50, (5,), generator=g)))
+    layout = SharedLayout.build(sequences)
+    kv_heads = 2 if case == "grouped_heads_window" else 4
+    window = 6 if case == "grouped_heads_window" else None
+    softcap = 3.0 if case == "softcap" else None
+    length = layout.shared_tokens
+    q = torch.randn(1, 4, length, 16, generator=g)
+    k, v = (torch.randn(1, kv_heads, length, 16, generator=g) for _ in range(2))
+    module = torch.nn.Module()
+    reference, _ = shared_prompt_attention(module, q, k, v, layout, scaling=0.3, sliding_window=window,
+                                           softcap=softcap)  # [1, L, H, D]: per segment on the CPU
+    out = flex_shared_attention(q, k, v, layout, 0.3, window, softcap, compiled=False).transpose(1, 2)
+    assert out.shape == reference.shape and float((out - reference).abs().max()) <= 1e-5
+
+
+def test_a_flex_failure_is_said_once_and_the_per_segment_path_serves(monkeypatch, caplog):
+    """On CUDA the attention runs FlexAttention; if it raises (e.g. no compiler), one warning, the
+    per-segment path computes the same output, and the process stays on it."""
+    from hilore_verl.shared_prompt import attention
+
+    assert attention.kernel_on("cpu") == "sdpa" and attention.kernel_on("cuda") == "flex"
+    layout = SharedLayout.build([(0, torch.tensor([1, 2, 3]), torch.tensor([4, 5])),
+                                 (0, torch.tensor([1, 2, 3]), torch.tensor([6]))])
+    q, k, v = (torch.randn(1, 2, layout.shared_tokens, 8) for _ in range(3))
+    reference, _ = attention.shared_prompt_attention(torch.nn.Module(), q, k, v, layout)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(attention, "flex_shared_attention", broken)
+    monkeypatch.setattr(attention, "_FLEX_FAILED", [])
+    monkeypatch.setattr(attention, "kernel_on", lambda device: "sdpa" if attention._FLEX_FAILED else "flex")
+    with caplog.at_level(logging.WARNING):
+        first, _ = attention.shared_prompt_attention(torch.nn.Module(), q, k, v, layout)
+        again, _ = attention.shared_prompt_attention(torch.nn.Module(), q, k, v, layout)
+    assert torch.equal(first, reference) and torch.equal(again, reference) and len(calls) == 1
+    assert sum("FlexAttention failed" in r.getMessage() for r in caplog.records) == 1

@@ -1,7 +1,7 @@
 """`hilore-verl gpu-check`: validate and measure hilore-verl on one GPU in one run, on a bare machine.
 
 Needs torch, triton, transformers and numpy only (no verl, Ray, hydra, omegaconf or network); from a
-clone without installing: `PYTHONPATH=. python -m hilore_verl gpu-check --out DIR`. Five stages, each
+clone without installing: `PYTHONPATH=. python -m hilore_verl gpu-check --out DIR`. Six stages, each
 in a process of its own under its own time limit (a failing or hung stage is recorded, the next one
 runs), the report rewritten after every stage so that it exists whatever happens:
 
@@ -9,6 +9,8 @@ runs), the report rewritten after every stage so that it exists whatever happens
     codecs        Triton against the torch reference bit for bit; codec bandwidth against a device copy
     runtime       keep / recompute mixes bitwise on the device, compression within bounds, offload over
                   steps of varying tokens, host synchronisations per step
+    shared_prompt the shared-prompt layout (FlexAttention on CUDA) against the per-sequence forward:
+                  log-probs, gradients, times
     model         a real architecture (random weights), every method in a fresh process: peaks, step
                   times, HiLoRe's predicted against measured peak and time, its first step
     profile       one HiLoRe step under the profiler: top kernels, share of host time in hilore-verl

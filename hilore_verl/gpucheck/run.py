@@ -18,8 +18,8 @@ import time
 from hilore_verl.gpucheck.report import markdown
 
 # stage -> (time limit in seconds on a GPU, with --device cpu --tiny)
-STAGES = {"environment": (30, 120), "codecs": (90, 180), "runtime": (60, 180), "model": (255, 420),
-          "profile": (45, 120)}
+STAGES = {"environment": (30, 120), "codecs": (90, 180), "runtime": (60, 180), "shared_prompt": (45, 120),
+          "model": (210, 420), "profile": (45, 120)}
 TOTAL_S = 480  # the whole check on a GPU: 8 minutes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone or site-packages
 

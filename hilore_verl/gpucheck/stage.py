@@ -45,10 +45,11 @@ class StageReport:
 
 
 def _stages():
-    from hilore_verl.gpucheck import model, profiling, stages
+    from hilore_verl.gpucheck import model, profiling, shared, stages
 
     return {"environment": stages.environment, "codecs": stages.codecs, "runtime": stages.runtime,
-            "model": model.model_stage, "profile": profiling.profile_stage}
+            "shared_prompt": shared.shared_prompt_stage, "model": model.model_stage,
+            "profile": profiling.profile_stage}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,20 +28,28 @@ which ignores it, ignored too, so a model computes the same shared or not). Refu
 NotImplementedError, so callers fall back to the ordinary forward: attention sinks (`s_aux`,
 GPT-OSS), non-causal attention, a KV cache, a layer whose sliding window is not passed to its
 attention call, and a query that is not one row of the layout's length.
-The same code runs on CUDA tensors.
+
+Kernels (`kernel_on(device)`): on CUDA one FlexAttention call over the whole row with the layout as a
+block mask (flex.py: a response computes the prompt's keys and its own, not its segment's square),
+compiled once per process; elsewhere, with dropout, or after FlexAttention failed once in the process
+(one warning), the per-segment SDPA path above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import sys
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from hilore_verl.shared_prompt.flex import flex_shared_attention
 from hilore_verl.shared_prompt.layout import SharedLayout
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "hilore_shared_prompt"
 LAYOUT_KWARG = "shared_prompt_layout"
@@ -61,6 +69,15 @@ def shared_layout(layout: SharedLayout) -> Iterator[SharedLayout]:
 
 def current_layout() -> SharedLayout | None:
     return _LAYOUT.get()
+
+
+_FLEX_FAILED: list[str] = []  # why FlexAttention failed in this process (then the per-segment path serves)
+
+
+def kernel_on(device: torch.device | str) -> str:
+    """The kernel the shared-prompt attention runs on `device` (without dropout): "flex" on CUDA, unless
+    it failed once in this process; "sdpa" (per segment) elsewhere."""
+    return "flex" if torch.device(device).type == "cuda" and not _FLEX_FAILED else "sdpa"
 
 
 def base_of(name: str | None) -> str:
@@ -195,13 +212,23 @@ def shared_prompt_attention(
     Returns (attn_output [1, L, H, Dv], None), the layout `sdpa_attention_forward` returns.
     """
     _check(module, query, key, {**kwargs, "sliding_window": sliding_window}, layout)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    window = int(sliding_window) if sliding_window is not None else None
+    if dropout == 0.0 and kernel_on(query.device) == "flex":
+        try:
+            out = flex_shared_attention(query, key, value, layout, scaling, window, softcap)  # [1, H, L, Dv]
+            return out.transpose(1, 2).contiguous(), None
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - said once; the per-segment path computes the same
+            _FLEX_FAILED.append(f"{type(err).__name__}: {err}".splitlines()[0][:300])
+            logger.warning("hilore-verl: FlexAttention failed (%s); the shared-prompt attention runs per segment "
+                           "(SDPA over each segment's square) from now on", _FLEX_FAILED[0])
     n_rep = query.shape[1] // key.shape[1]
     if softcap is not None:  # the explicit path repeats k / v heads; SDPA reads them grouped (enable_gqa)
         key = _repeat_heads(key, n_rep)  # [1, H, L, D]
         value = _repeat_heads(value, n_rep)  # [1, H, L, Dv]
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    window = int(sliding_window) if sliding_window is not None else None
 
     outputs = []
     for index, group in enumerate(layout.groups):
