@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from hilore_verl.shared_prompt.layout import shared_token_count
+
 
 def _items(keys: Sequence[Hashable], lengths: Sequence[int], fits) -> list[list[int]]:
     """Sequence indices per key (first-seen order), each key's list cut into runs that `fits`."""
@@ -75,14 +77,7 @@ def group_micro_batches(keys: Sequence[Hashable], lengths: Sequence[int], prompt
         return tokens(index) <= max_tokens if max_tokens is not None else len(index) <= size
 
     def computed(index: list[int]) -> int:  # the shared layout's row: each key's prompt once
-        seen: set = set()
-        total = 0
-        for i in index:
-            total += lengths[i]
-            if keys[i] is not None:
-                total -= prompt_lens[i] if keys[i] in seen else 0
-                seen.add(keys[i])
-        return total
+        return shared_token_count([(keys[i], prompt_lens[i], lengths[i] - prompt_lens[i]) for i in index])
 
     items = _items(keys, lengths, fits)
     if max_tokens is not None:
