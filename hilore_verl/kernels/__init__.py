@@ -14,9 +14,10 @@ the codec HILORE_VERL_CPU_CODEC names:
     reference  `kernels.reference`: the torch code the others are held to
 
 If the native library cannot be built, one warning says why and the fused codec runs instead (the
-reference where no C++ compiler exists, since torch.compile needs one too); `cpu_codec_in_use()`
-tells which. All are bitwise equal to the reference; the Triton kernels are tested on CPU through
-Triton's interpreter (TRITON_INTERPRET=1).
+reference where no C++ compiler exists, since torch.compile needs one too); if the fused codec
+cannot be compiled, one warning says why and the reference runs. `cpu_codec_in_use()` tells which
+(`cpu_fused.status()` counts the calls its compiled code served). All are bitwise equal to the
+reference; the Triton kernels are tested on CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ def cpu_codec() -> str:
 
 def cpu_codec_in_use() -> str:
     """The CPU codec that runs: `cpu_codec()`, except where "native" cannot be built (then "fused", or
-    "reference" without a C++ compiler; one warning with the reason, the first time)."""
+    "reference" without a C++ compiler; one warning with the reason, the first time), and "reference"
+    once the fused codec has failed to compile (its own one warning)."""
+    name = _cpu_codec_chosen()
+    return "reference" if name == "fused" and not cpu_fused.available() else name
+
+
+def _cpu_codec_chosen() -> str:
+    """`cpu_codec()`, or the codec that replaces "native" where it cannot be built."""
     name = cpu_codec()
     if name != "native":
         return name
@@ -69,7 +77,7 @@ def cpu_codec_in_use() -> str:
 
 
 def _cpu_module():
-    name = cpu_codec_in_use()
+    name = _cpu_codec_chosen()  # "fused" also after a failed compile: cpu_fused serves the reference then
     if name == "native":
         from hilore_verl.kernels import cpu_native
 

@@ -9,7 +9,8 @@ recompiles (a symbolic width would also keep the loops over a group from being v
 run without autograd and autocast, so the caller's modes never cause a recompile either.
 Bitwise equal to the reference (tested over formats, dtypes, odd shapes, stochastic rounding
 and non-finite groups). If compiling fails (no C++ compiler, an unusual platform), one warning
-is logged and the reference runs instead.
+is logged and the reference runs instead. `status()` tells which ran: the calls the compiled code
+served, the calls the reference served in its place, and the compile error if there was one.
 """
 
 from __future__ import annotations
@@ -25,10 +26,21 @@ from hilore_verl.kernels.reference import QuantizedTensor, check_args, seed_mix
 
 logger = logging.getLogger("hilore_verl")
 _failed: list[str] = []  # the first compile error, once seen: the reference runs from then on
+_calls = {"fused": 0, "reference": 0}  # calls served by the compiled code / by the reference in its place
 
 
 def available() -> bool:
+    """False once a compile has failed (the reference serves every call from then on). True before
+    the first call too: that the compiled code ran is what `status()["fused_calls"]` tells."""
     return not _failed
+
+
+def status() -> dict:
+    """What this process's calls ran: {"compiled": no compile has failed, "fused_calls": calls the
+    compiled code served, "reference_calls": calls the reference served after a compile failure,
+    "error": the first compile error or None}."""
+    return {"compiled": not _failed, "fused_calls": _calls["fused"], "reference_calls": _calls["reference"],
+            "error": _failed[0] if _failed else None}
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,11 +71,14 @@ def _run(fused, fallback):
     if not _failed:
         try:
             with torch.no_grad(), torch.autocast("cpu", enabled=False):
-                return fused()
+                out = fused()
+            _calls["fused"] += 1
+            return out
         except Exception as e:  # a compiler missing or failing: never a crash, one warning
             _failed.append(f"{type(e).__name__}: {e}")
             logger.warning("hilore-verl: the fused CPU codec could not be compiled (%s); the torch reference "
                            "codec runs instead (correct, slower)", _failed[0].splitlines()[0][:300])
+    _calls["reference"] += 1
     return fallback()
 
 
