@@ -17,7 +17,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import json
 
-    from hilore_verl.integration.demo import DemoConfig, run_demo
+    from hilore_verl.integration.tools.demo import DemoConfig, run_demo
 
     config = DemoConfig(steps=args.steps, seed=args.seed, recipe_dir=args.recipe_dir or "", task_dir=args.task_dir,
                         overrides=tuple(args.override))

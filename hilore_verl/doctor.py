@@ -78,8 +78,9 @@ def check_plugin() -> Check:
     if policy == "none" or (policy != "auto" and entry[0].name not in policy.split(",")):
         return Check(False, f"verl plugin loading is restricted: VERL_USE_EXTERNAL_PLUGINS={policy}",
                      f"unset VERL_USE_EXTERNAL_PLUGINS or add '{entry[0].name}' to it")
-    import verl  # noqa: F401  (loads the entry points)
-    from hilore_verl.plugin import STATUS
+    from hilore_verl.integration.tools.selfcheck import load_verl_plugin
+
+    STATUS = load_verl_plugin()
 
     if not STATUS.loaded:
         return Check(False, f"entry point found but loading failed: {STATUS.error}",
@@ -88,18 +89,13 @@ def check_plugin() -> Check:
 
 
 def check_platform() -> Check:
-    from verl.plugin.platform import get_platform
+    from hilore_verl.integration.tools.selfcheck import platform_in_use
 
-    from hilore_verl.integration.cpu_platform import PlatformCPU
-
-    current = get_platform()
-    if isinstance(current, PlatformCPU):
-        return Check(True, "cpu (hilore-verl's CPU platform: gloo collectives, no accelerator)")
-    return Check(True, f"{current.device_name} ({type(current).__name__}, vendor {current.vendor_name})")
+    return Check(True, platform_in_use())
 
 
 def check_engine() -> Check:
-    from hilore_verl.integration.selfcheck import engine_selfcheck
+    from hilore_verl.integration.tools.selfcheck import engine_selfcheck
 
     # verl and transformers print set-up chatter while the engine builds: keep it for failures only.
     chatter = io.StringIO()

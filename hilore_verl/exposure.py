@@ -5,14 +5,14 @@ backward. An approximation of a unit's activations reaches the update only throu
 c_t != 0, weighted by |c_t|: that is its exposure. Tokens of zero-advantage groups, fully clipped
 tokens and padding have c_t = 0 (without KL or entropy terms) and no exposure at all.
 
-`loss_coefficients` runs verl's own loss (hilore_verl.integration.loss); this module never
-imports verl itself.
+The coefficients themselves come from verl's own loss (`hilore_verl.integration.actor.loss.loss_coefficients`,
+which checks its inputs with `check_inputs` here); this module never imports verl.
 
 Entropy bonus. It acts on the logits, not through log_prob, so it is not in c. Its gradient on
 token t's logits is -entropy_coeff * w_t * dH_t/dz with |dH/dz|_1 = sum_i p_i |log p_i + H| <= 2 H
 <= 2 ln V (V: vocabulary size), w_t the aggregation weight. `summarize` adds that bound per token
 when given `entropy_coeff` and `vocab_size`: exposure stays an upper bound, never an undercount.
-`actor_exposure` takes the coefficient and the aggregation mode from verl's actor config (what the
+`integration.actor.loss.actor_exposure` takes the coefficient and the aggregation mode from verl's actor config (what the
 engine plans with): a zero-advantage micro-batch still has exposure under an entropy bonus.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 
-def _padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+def padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -33,7 +33,7 @@ def _padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
 
 
-def _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
+def check_inputs(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
            values: bool = True):
     """Shapes and config (on the host); with `values`, also nan / inf on response tokens and negative
     IS weights: every flag is computed on the tensors' device and read in one transfer."""
@@ -72,40 +72,6 @@ def read_floats(values: Sequence[float | torch.Tensor]) -> list[float]:
     tensors = [v.detach().reshape(()).to(torch.float64) for v in values if isinstance(v, torch.Tensor)]
     read = iter(torch.stack(tensors).tolist() if tensors else [])
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
-def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights=None,
-                      ref_log_prob=None, global_batch_info: Mapping[str, Any] | None = None,
-                      check: bool = True) -> torch.Tensor:
-    """c[b, t] = dL/dlog_prob[b, t] for verl's actor loss as configured (policy loss mode,
-    loss_agg_mode, KL loss, IS weights); entropy excluded (see the module docstring).
-
-    Tensors are padded (B, T) response-aligned, or jagged nested (one row per sequence) as in
-    verl's no-padding batches. `global_batch_info`: dp_size, batch_num_tokens, global_batch_size,
-    loss_scale_factor, as the engine sets them (omit for a single-rank, single-micro-batch view).
-    `check=False` skips the value checks (`check_values`, one read of device data) of inputs already
-    checked; shapes and config are checked either way.
-    """
-    log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, ref_log_prob = (
-        _padded(n, t) for n, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob),
-                                   ("advantages", advantages), ("response_mask", response_mask),
-                                   ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob)))
-    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
-                    ("response_mask", response_mask)):
-        if t is None:
-            raise ValueError(f"{name} is required")
-    _check(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
-           values=check)
-    from hilore_verl.integration.loss import loss_coefficients as verl_coefficients
-
-    c = verl_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights,
-                          ref_log_prob, global_batch_info)
-    return c * response_mask.to(c.dtype)
-
-
-def predicted_coefficients(old_log_prob, advantages, response_mask, actor_config, **kwargs) -> torch.Tensor:
-    """Coefficients before the forward, at the on-policy point (log_prob = old_log_prob)."""
-    return loss_coefficients(old_log_prob, old_log_prob, advantages, response_mask, actor_config, **kwargs)
 
 
 @dataclass
@@ -158,27 +124,3 @@ def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: S
         raise ValueError(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, not to the {c.shape[0]} sequences")
     return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), sizes, sequence == 0)
 
-
-def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,
-                   micro_batch_sizes: Sequence[int] | None = None,
-                   global_batch_info: Mapping[str, Any] | None = None) -> Exposure:
-    """`summarize` with the entropy bound that verl's actor config calls for.
-
-    With `actor_config.entropy_coeff` != 0, each token gets |entropy_coeff| * w_t * 2 ln V on top of
-    |c_t|, w_t from `aggregation_weights` for the config's `loss_agg_mode` (and `loss_scale_factor`)
-    in the same view as c (`global_batch_info` as given to `loss_coefficients`); `vocab_size` is
-    then required. With entropy_coeff 0 this is `summarize(c, response_mask, micro_batch_sizes)`.
-    """
-    c, response_mask = _padded("c", c), _padded("response_mask", response_mask)
-    coeff = float(getattr(actor_config, "entropy_coeff", 0.0) or 0.0)
-    if not coeff:
-        return summarize(c, response_mask, micro_batch_sizes)
-    if not vocab_size or vocab_size < 2:
-        raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
-    from hilore_verl.integration.loss import aggregation_weights
-
-    info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
-    info.update(global_batch_info or {})
-    weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
-    return summarize(c, response_mask, micro_batch_sizes, entropy_coeff=coeff, entropy_weights=weights,
-                     vocab_size=vocab_size)

@@ -1,11 +1,11 @@
 """One HiLoRe training session: what happens around each mini-batch of the actor update.
 
-Free of verl and of torch.distributed. The framework side (integration/hilore_engine.py for verl)
+Free of verl and of torch.distributed. The framework side (integration/actor/engine.py for verl)
 supplies two small objects:
 
   Passes       forward + backward passes on its model, the loss coefficients of a micro-batch,
                and how to forget a failed pass;
-  Collectives  the data-parallel reductions (integration/collectives.py; `SingleProcess` here).
+  Collectives  the data-parallel reductions (integration/actor/collectives.py; `SingleProcess` here).
 
 Order of one mini-batch (`Session.train`):
 

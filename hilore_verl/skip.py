@@ -2,7 +2,7 @@
 
 A sequence whose loss term is zero for any log-probs (in GRPO: every advantage 0 under a loss whose
 per-token term is proportional to the advantage, no KL loss, no entropy bonus; the framework decides
-which, e.g. `integration/loss.py: skip_refusal`) adds exactly nothing to the gradient: its forward
+which, e.g. `integration/actor/loss.py: skip_refusal`) adds exactly nothing to the gradient: its forward
 and backward can be left out. What normalises the loss (token and sequence counts of the whole
 mini-batch) is left to the framework, which keeps it as computed over every sequence.
 

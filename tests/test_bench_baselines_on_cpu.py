@@ -16,7 +16,7 @@ TINY = BenchConfig(hidden_size=64, num_layers=2, vocab_size=256, num_groups=2, g
 
 
 def test_verl_offload_steps_the_parameters_sharding_put_in_place(monkeypatch):
-    import hilore_verl.integration.baselines as baselines
+    import hilore_verl.integration.tools.verl_offload as baselines
 
     def fake_shard(model):  # fully_shard swaps every parameter for a new (DTensor) one
         for module in model.modules():
@@ -34,7 +34,7 @@ def test_verl_offload_steps_the_parameters_sharding_put_in_place(monkeypatch):
 
 
 def test_free_port_is_bindable():
-    from hilore_verl.integration.baselines import free_port
+    from hilore_verl.integration.tools.verl_offload import free_port
 
     port = free_port()
     with socket.socket() as s:

@@ -44,8 +44,8 @@ def _simulate_cuda(rank):
 def _reductions(rank, world_size):
     import torch.distributed as dist
 
-    import hilore_verl.integration.device_memory as device_memory
-    from hilore_verl.integration.collectives import DataParallel, collectives_for
+    import hilore_verl.integration.actor.device_memory as device_memory
+    from hilore_verl.integration.actor.collectives import DataParallel, collectives_for
 
     out = {}
     world = dist.group.WORLD  # what verl's FSDP engine hands in (no Ulysses)
@@ -102,7 +102,7 @@ def test_every_reduction_runs_beside_a_group_without_a_cpu_backend():
 def test_compute_device_is_verls_device_not_a_parameters(monkeypatch):
     import verl.utils.device
 
-    from hilore_verl.integration.device_memory import available_bytes, compute_device
+    from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
 
     monkeypatch.setattr(verl.utils.device, "get_device_name", lambda: "cpu")
     assert compute_device() == torch.device("cpu")

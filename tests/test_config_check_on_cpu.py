@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hilore_verl.integration.config_check import hilore_error, host_error
+from hilore_verl.integration.actor.config_check import hilore_error, host_error
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
 
@@ -55,7 +55,7 @@ def test_a_model_no_unit_map_fits_stops_main_ppo_before_ray(tmp_path):
 
 
 def test_the_unit_map_check_takes_a_users_map_from_external_lib(tmp_path, monkeypatch):
-    from hilore_verl.integration.map_check import check_unit_map
+    from hilore_verl.integration.actor.map_check import check_unit_map
     from hilore_verl.unit_maps import MAPS
 
     model = _cohere(tmp_path / "cohere")

@@ -14,8 +14,8 @@ from verl.plugin.platform import PlatformBase, PlatformRegistry
 from verl.plugin.platform.platform_cuda import PlatformCUDA
 from verl.plugin.platform.platform_manager import _detect_platform_name
 
-import hilore_verl.integration.cpu_platform as cpu_platform
-from hilore_verl.integration.cpu_platform import CPU_DEVICE_MODULE, PlatformCPU
+import hilore_verl.integration.cpu_host.platform as cpu_platform
+from hilore_verl.integration.cpu_host.platform import CPU_DEVICE_MODULE, PlatformCPU
 
 
 class _AlwaysPresent(PlatformCPU):

@@ -80,7 +80,7 @@ def test_a_gpu_host_keeps_verls_code():
     out = _run("""
         import verl
         import verl.utils.distributed as d
-        import hilore_verl.integration.cpu_support as cs
+        import hilore_verl.integration.cpu_host.workers as cs
         cs._on_cpu = lambda: False
         seen = {}
         import torch.distributed as dist

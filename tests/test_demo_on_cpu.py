@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hilore_verl.integration.demo import DemoConfig, arm_command, step_record
+from hilore_verl.integration.tools.demo import DemoConfig, arm_command, step_record
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from tests.test_hilore_engine_on_cpu import WORKLOAD, _gpu_like_profile
 
 def _bare_engine(**attributes):
     """The engine's own methods on an object verl never initialised (no model, no ranks)."""
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     engine = HiLoReFSDPEngine.__new__(HiLoReFSDPEngine)
     engine.__dict__.update(attributes)
@@ -29,7 +29,7 @@ def _bare_engine(**attributes):
 # ---------------------------------------------------------------------- exposure under an entropy bonus
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg):
-    from hilore_verl.integration.engine import actor_config, to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import actor_config, to_engine_batch
 
     batch = make_grpo_batch(GRPOWorkload(num_groups=1, group_size=4, max_prompt_len=8, max_response_len=12), seed=0)
     batch["advantages"] = torch.zeros_like(batch["advantages"])
@@ -43,7 +43,7 @@ def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg)
         figures[coeff] = float(engine._exposure_l2(micro_batch))  # a 0-d tensor, read here
     assert figures[0.0] == 0.0 and figures[0.02] > 0, figures
     # the bound as stated: |entropy_coeff| * w_t * 2 ln V per response token, w_t from verl's agg_loss
-    from hilore_verl.integration.loss import aggregation_weights
+    from hilore_verl.integration.actor.loss import aggregation_weights
 
     mask = batch["response_mask"].float()
     expected = 0.02 * aggregation_weights(mask, agg) * 2 * torch.log(torch.tensor(512.0)) * mask
@@ -133,7 +133,7 @@ def test_a_bad_controller_state_is_refused_with_one_message(tmp_path, case):
 
 # ---------------------------------------------------------------------- on 2 ranks, through verl's engine
 def _train_step(engine, batch, rank, world_size, loss_fn):
-    from hilore_verl.integration.engine import to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
 
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     with engine.train_mode():
@@ -143,8 +143,8 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 def _audits(rank, world_size, model_dir, batch):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.planner.controller import Controller
     from hilore_verl.runtime import Mode, UnitPlan
 
@@ -204,9 +204,9 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     import torch.distributed as dist
 
     import hilore_verl.session as session_module
-    import hilore_verl.integration.controller_file as controller_file
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    import hilore_verl.integration.actor.controller_file as controller_file
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     profiles = []
     real = _gpu_like_profile(session_module.profile)

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from hilore_verl import exposure
-from hilore_verl.integration.engine import actor_config, to_engine_batch
-from hilore_verl.integration.loss import aggregation_weights, policy_loss_modes
+from hilore_verl.integration.actor import loss as actor_loss
+from hilore_verl.integration.tools.verl_engine import actor_config, to_engine_batch
+from hilore_verl.integration.actor.loss import aggregation_weights, policy_loss_modes
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -56,7 +57,7 @@ def _compare(config, is_weights=False, ref=False, dp_size=1):
     info = {"dp_size": dp_size, "batch_num_tokens": int(mask.sum()) * dp_size,
             "global_batch_size": mask.shape[0] * dp_size}
     expected, loss = _verl_engine_gradient(batch, log_prob, config, info)
-    c = exposure.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask, config,
+    c = actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask, config,
                                    rollout_is_weights=batch.get("rollout_is_weights"),
                                    ref_log_prob=batch.get("ref_log_prob"), global_batch_info=info)
     assert torch.isfinite(loss)
@@ -107,7 +108,7 @@ def test_fully_clipped_tokens_have_zero_coefficient():
     log_prob = torch.zeros(2, 3)
     old = torch.tensor([[0.0, -1.0, 1.0], [0.0, -1.0, 1.0]])  # ratio 1, e, 1/e
     adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
-    c = exposure.loss_coefficients(log_prob, old, adv, mask, config)
+    c = actor_loss.loss_coefficients(log_prob, old, adv, mask, config)
     # A > 0 clips when the ratio is above 1 + eps, A < 0 when below 1 - eps
     assert c[0, 1] == 0 and c[0, 0] != 0 and c[0, 2] != 0
     assert c[1, 2] == 0 and c[1, 0] != 0
@@ -117,8 +118,8 @@ def test_predicted_coefficients_are_the_on_policy_point():
     config = actor_config()
     batch, _ = _batch()
     mask = batch["response_mask"]
-    pred = exposure.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, config)
-    exact = exposure.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], batch["advantages"], mask,
+    pred = actor_loss.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, config)
+    exact = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], batch["advantages"], mask,
                                        config)
     assert torch.equal(pred, exact)
     # at ratio 1, vanilla token-mean: c = -A / tokens
@@ -129,12 +130,12 @@ def test_jagged_inputs_are_accepted():
     config = actor_config()
     batch, log_prob = _batch()
     mask = batch["response_mask"]
-    dense = exposure.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask, config)
+    dense = actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask, config)
     lengths = mask.sum(1)
     as_jagged = lambda t: torch.nested.nested_tensor([row[:n] for row, n in zip(t, lengths)], layout=torch.jagged)  # noqa
     # jagged rows padded back to the longest response: same as the dense tensors cut at that length
     T = int(lengths.max())
-    jagged = exposure.loss_coefficients(as_jagged(log_prob), as_jagged(batch["old_log_probs"]),
+    jagged = actor_loss.loss_coefficients(as_jagged(log_prob), as_jagged(batch["old_log_probs"]),
                                         as_jagged(batch["advantages"]), as_jagged(mask.float()), config)
     torch.testing.assert_close(jagged, dense[:, :T])
 
@@ -156,16 +157,16 @@ def test_bad_input_names_the_field():
     batch, log_prob = _batch()
     mask = batch["response_mask"]
     with pytest.raises(ValueError, match="old_log_prob has shape"):
-        exposure.loss_coefficients(log_prob, batch["old_log_probs"][:, :5], batch["advantages"], mask, config)
+        actor_loss.loss_coefficients(log_prob, batch["old_log_probs"][:, :5], batch["advantages"], mask, config)
     bad = batch["advantages"].clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="advantages holds nan or inf"):
-        exposure.loss_coefficients(log_prob, batch["old_log_probs"], bad, mask, config)
+        actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], bad, mask, config)
     with pytest.raises(ValueError, match="ref_log_prob is required: the actor config has use_kl_loss=True"):
-        exposure.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask,
+        actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], mask,
                                    actor_config(use_kl_loss=True))
     with pytest.raises(ValueError, match="advantages is required"):
-        exposure.loss_coefficients(log_prob, batch["old_log_probs"], None, mask, config)
+        actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], None, mask, config)
     with pytest.raises(ValueError, match="micro_batch_sizes"):
         exposure.summarize(torch.zeros(3, 2), torch.ones(3, 2), micro_batch_sizes=[1, 1])
 
@@ -191,7 +192,7 @@ def test_value_checks_read_once_and_can_be_skipped(monkeypatch):
     monkeypatch.undo()
     bad = batch["advantages"].clone()
     bad[mask.bool()] = float("inf")
-    c = exposure.loss_coefficients(log_prob, batch["old_log_probs"], bad, mask, actor_config(), check=False)
+    c = actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], bad, mask, actor_config(), check=False)
     assert c.shape == mask.shape  # unchecked: the caller checked the values
     assert exposure.read_floats([1.5, torch.tensor(0.25), torch.tensor(2.0, dtype=torch.float64)]) == [1.5, 0.25, 2.0]
 
@@ -205,9 +206,9 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
     zero = torch.zeros_like(batch["advantages"])
     for coeff in (0.0, 0.01):
         config = actor_config(loss_agg_mode=agg, entropy_coeff=coeff)
-        c = exposure.predicted_coefficients(batch["old_log_probs"], zero, mask, config)
+        c = actor_loss.predicted_coefficients(batch["old_log_probs"], zero, mask, config)
         assert (c == 0).all()
-        e = exposure.actor_exposure(c, mask, config, vocab_size=512, micro_batch_sizes=[4, 4, 4])
+        e = actor_loss.actor_exposure(c, mask, config, vocab_size=512, micro_batch_sizes=[4, 4, 4])
         if coeff == 0:
             assert e.l2_of() == 0 and e.zero.all()
             continue
@@ -216,15 +217,15 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
         torch.testing.assert_close(e.token, expected)
         assert e.l2_of() > 0 and not e.zero.any()
     with pytest.raises(ValueError, match="vocab_size is required"):
-        exposure.actor_exposure(c, mask, actor_config(entropy_coeff=0.01))
+        actor_loss.actor_exposure(c, mask, actor_config(entropy_coeff=0.01))
     # without entropy the actor's exposure is summarize's
-    c = exposure.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, actor_config())
-    assert exposure.actor_exposure(c, mask, actor_config()).l2_of() == exposure.summarize(c, mask).l2_of()
+    c = actor_loss.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, actor_config())
+    assert actor_loss.actor_exposure(c, mask, actor_config()).l2_of() == exposure.summarize(c, mask).l2_of()
 
 
 def test_aggregation_weights_are_made_on_the_mask_s_device():
     """On a GPU the mask is a CUDA tensor: the weights are built beside it (a host tensor would meet a
     device mask inside verl's agg_loss). The meta device stands in for an accelerator here."""
-    from hilore_verl.integration.loss import aggregation_weights
+    from hilore_verl.integration.actor.loss import aggregation_weights
 
     assert aggregation_weights(torch.ones(2, 3, device="meta"), "token-mean").device.type == "meta"

@@ -115,8 +115,8 @@ SETTINGS = {"exact": {"risk_budget": 0.0},
 
 def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
     session_module.profile = _gpu_like_profile(session_module.profile)  # plans that do not depend on timing
@@ -197,8 +197,8 @@ def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_
 
 
 def _no_snapshot(rank, world_size, model_dir, batch):
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.recovery import StepFailed
 
     config = actor_config()
@@ -225,8 +225,8 @@ def test_without_a_snapshot_a_fault_in_the_optimizer_step_stops_training(tmp_pat
 def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     """Faults in the first step's profiling and in an audit; a budget measured from free memory."""
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
     session_module.profile = _gpu_like_profile(session_module.profile)
@@ -320,8 +320,8 @@ def test_step_snapshot_restores_parameters_and_adam_state(steps_before):
 
 
 def _one_rank_fails(rank, world_size, model_dir, batch, point):
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.recovery import StepFailed
 
     config = actor_config()

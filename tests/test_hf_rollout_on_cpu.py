@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hilore_verl.integration.hf_rollout import HFGenerateServer
+from hilore_verl.integration.cpu_host.hf_rollout import HFGenerateServer
 from hilore_verl.tiny_task import make_tokenizer
 
 

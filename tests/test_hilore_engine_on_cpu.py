@@ -38,7 +38,7 @@ def _cosine(grads, ref) -> float:
 
 def _train_step(engine, batch, rank, world_size, loss_fn):
     """One verl train_batch on this rank's shard; returns verl's output and the full gradients."""
-    from hilore_verl.integration.engine import to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
 
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     with engine.train_mode():
@@ -49,8 +49,8 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 def _compare(rank, world_size, model_dir, batch, risk_budget):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     session_module.profile = _gpu_like_profile(session_module.profile)
 
@@ -99,8 +99,8 @@ def test_hilore_engine_against_stock_verl(tmp_path, risk_budget):
 
 def _save_and_resume(rank, world_size, model_dir, batch, ckpt_dir):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     profiles = []
     real = _gpu_like_profile(session_module.profile)
@@ -137,8 +137,8 @@ def test_checkpoint_keeps_the_controller_state(tmp_path):
 
 def _audit_and_oom(rank, world_size, model_dir, batch):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     session_module.profile = _gpu_like_profile(session_module.profile)
     config = actor_config()
@@ -186,8 +186,8 @@ def test_audit_metrics_and_oom_retry(tmp_path):
 def _with_model_options(rank, world_size, model_dir, batch, options):
     """verl's engine with model options (`HFModelConfig` fields): stock with GC against HiLoRe with
     keep / recompute plans only; gradients of every trainable parameter."""
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     config = actor_config()
     packed = options.pop("use_remove_padding", True)
@@ -236,7 +236,7 @@ def test_verl_model_options_update_as_stock_verl(tmp_path, options):
 def test_start_up_checks_the_codec_launch_where_compression_can_run(monkeypatch):
     import hilore_verl.kernels as kernels
     from hilore_verl.config import HiLoReConfig
-    from hilore_verl.integration.hilore_engine import check_codec_device
+    from hilore_verl.integration.actor.engine import check_codec_device
 
     asked = []
     monkeypatch.setattr(kernels, "triton_status", lambda device: asked.append(device) or (False, "no C compiler"))

@@ -94,8 +94,8 @@ def _count_forward_steps(engine) -> list[list]:
 
 def _forward_reads(rank, world_size, model_dir, batch, hilore):
     import hilore_verl.session as session_module
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     session_module.profile = _gpu_like_profile(session_module.profile)
     config = actor_config()
@@ -262,8 +262,8 @@ def test_the_snapshot_waits_on_the_device_only_and_restores_exactly(fake_device)
 
 def _snapshot_timeline(rank, world_size, model_dir, batch):
     import hilore_verl.recovery as recovery
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     log = []
     device = FakeDevice(log)

@@ -228,7 +228,7 @@ def _plans_on_rank(rank, world_size):
     from types import SimpleNamespace
 
     from hilore_verl.config import HiLoReConfig
-    from hilore_verl.integration.collectives import DataParallel
+    from hilore_verl.integration.actor.collectives import DataParallel
     from hilore_verl.session import Session
 
     _, rt, _, tokens, costs = _tiny_probe()

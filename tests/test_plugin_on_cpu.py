@@ -19,7 +19,7 @@ torch.cuda.device_count = lambda: 1
 which, isfile = shutil.which, os.path.isfile
 shutil.which = lambda cmd, *a, **k: None if "smi" in cmd else which(cmd, *a, **k)
 os.path.isfile = lambda p: False if str(p).endswith("-smi") else isfile(p)
-import hilore_verl.integration.cpu_platform as cpu_platform  # imports verl first: the plugin loads here
+import hilore_verl.integration.cpu_host.platform as cpu_platform  # imports verl first: the plugin loads here
 cpu_platform.DRIVER_NODES = ()  # torch's answer alone must refuse the CPU platform
 """
 
@@ -47,7 +47,7 @@ ON_CPU = {"loaded": True, "error": None,
 
 
 def test_import_verl_loads_the_plugin_and_selects_the_cpu_platform():
-    from hilore_verl.integration.cpu_platform import accelerator_evidence
+    from hilore_verl.integration.cpu_host.platform import accelerator_evidence
 
     accelerator = accelerator_evidence()
     if accelerator is not None:
@@ -67,7 +67,7 @@ def test_a_gpu_host_without_nvidia_smi_stays_on_cuda():
 
 def test_importing_the_cpu_platform_before_verl_registers_it():
     # its verl import loads the plugin while the module is half-defined; it registers as its import ends
-    report = _report("import hilore_verl.integration.cpu_platform\n" + REPORT, env=CPU)
+    report = _report("import hilore_verl.integration.cpu_host.platform\n" + REPORT, env=CPU)
     assert report == ON_CPU
 
 
@@ -80,7 +80,7 @@ def test_without_the_plugin_verl_falls_back_to_cuda_here():
 
 
 def test_importing_the_integration_before_verl_also_works():
-    report = _report("import hilore_verl.integration.engine\n" + REPORT, env=CPU)
+    report = _report("import hilore_verl.integration.tools.verl_engine\n" + REPORT, env=CPU)
     assert report["loaded"] and report["device"] == "cpu"
 
 

@@ -47,8 +47,8 @@ def test_every_gpu_recipe_is_present():
 
 @pytest.mark.parametrize("name", MODEL_RECIPES + ["tiny_cpu"])
 def test_flag_selects_the_engine(name):
-    from hilore_verl.integration.actor_config import HiLoReEngineConfig
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.actor.config import HiLoReEngineConfig
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from verl.workers.config import FSDPEngineConfig
     from verl.workers.engine import FSDPEngineWithLMHead
 
@@ -98,8 +98,8 @@ WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_respo
 
 
 def _worker_update(rank, world_size, model_dir, batch):
-    from hilore_verl.integration.engine import to_engine_batch
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
@@ -148,7 +148,7 @@ def test_command_line_form_over_stock_ppo_trainer():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     config_dir = str(Path(__import__("verl").__file__).parent / "trainer" / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):

@@ -9,7 +9,8 @@ import torch
 import hilore_verl
 import hilore_verl.runtime.saving as runtime_module
 from hilore_verl import exposure
-from hilore_verl.integration.engine import actor_config
+from hilore_verl.integration.actor import loss as actor_loss
+from hilore_verl.integration.tools.verl_engine import actor_config
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate, codec_error
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
@@ -25,7 +26,7 @@ def _micro_batch(model, seed):
         log_prob = response_log_probs(model, batch)
     noise = torch.randn(log_prob.shape, generator=torch.Generator().manual_seed(seed)) * 0.1
     batch["old_log_probs"] = (log_prob + noise) * batch["response_mask"]
-    c = exposure.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], batch["response_mask"],
+    c = actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], batch["advantages"], batch["response_mask"],
                                    actor_config())
     return batch, c, exposure.summarize(c, batch["response_mask"]).l2_of()
 

@@ -18,7 +18,7 @@ PLANS = [{"layers": "recompute", "head": "recompute"},
 
 def _stock_then_hilore(rank, world_size, model_dir, batch, use_remove_padding):
     import hilore_verl
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
 
     engine = build_fsdp_engine(model_dir, use_remove_padding=use_remove_padding, gradient_checkpointing=True,
                                lr=0.0, clip_grad=1e9)

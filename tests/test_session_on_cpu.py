@@ -241,7 +241,7 @@ def test_a_restored_state_plans_without_probing(counted_profiles):
 
 
 def _averaged(rank, world_size):
-    from hilore_verl.integration.collectives import DataParallel
+    from hilore_verl.integration.actor.collectives import DataParallel
 
     model = build_tiny_model("qwen2", seed=0).train()
     runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))

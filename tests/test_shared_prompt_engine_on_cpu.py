@@ -13,7 +13,7 @@ WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_respo
 
 
 def _step(engine, batch, rank, world_size, loss_fn, **kwargs):
-    from hilore_verl.integration.engine import to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
 
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0], **kwargs)
     with engine.train_mode():
@@ -25,8 +25,8 @@ def _step(engine, batch, rank, world_size, loss_fn, **kwargs):
 def _compare(rank, world_size, model_dir, batch, remove_padding):
     import logging
 
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     said = []
     handler = logging.Handler()
@@ -112,14 +112,14 @@ def test_shared_prompt_update_equals_stock_verl(tmp_path, remove_padding, split)
 
 
 def test_a_model_with_attention_sinks_is_refused_at_start_up():
-    from hilore_verl.integration.shared_prompt import unsupported_model
+    from hilore_verl.integration.actor.shared_prompt import unsupported_model
 
     assert "sinks" in unsupported_model(build_tiny_model("gpt_oss"))
     assert unsupported_model(build_tiny_model("qwen2")) is None
 
 
 def test_the_split_is_read_from_jagged_or_padded_response_masks():
-    from hilore_verl.integration.shared_prompt import _response_lengths
+    from hilore_verl.integration.actor.shared_prompt import _response_lengths
 
     offsets = [0, 5, 9]  # two sequences of 5 and 4 tokens
     jagged = torch.nested.nested_tensor_from_jagged(torch.ones(3), offsets=torch.tensor([0, 2, 3]))  # verl's trainer
@@ -138,7 +138,7 @@ def test_the_planner_is_told_the_tokens_the_shared_layout_computes():
     import verl.utils.tensordict_utils as tu
     from tensordict import TensorDict
 
-    from hilore_verl.integration.shared_prompt import SharedPrompt, _sequences
+    from hilore_verl.integration.actor.shared_prompt import SharedPrompt, _sequences
     from hilore_verl.shared_prompt import SharedLayout
 
     prompts = [[5, 6, 7], [5, 6, 7], [9, 8], [5, 6, 7], [4]]

@@ -222,7 +222,7 @@ def test_a_soft_cap_is_applied_as_the_base_attention_applies_it():
 
 
 def test_models_mixing_tokens_outside_attention_are_refused_at_start_up():
-    from hilore_verl.integration.shared_prompt import unsupported_model
+    from hilore_verl.integration.actor.shared_prompt import unsupported_model
 
     model = build_tiny_model("qwen2")
     assert unsupported_model(model) is None

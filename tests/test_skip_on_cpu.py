@@ -40,8 +40,8 @@ def _random_batch(seed, B=16, T=9):
 def test_declared_modes_are_proportional_to_the_advantage(agg):
     """For every declared mode: a zero-advantage sequence has c = 0 for any log-probs, and leaving it out
     leaves every other sequence's c as it was (to the last bit of fp32) (same global normalisation)."""
-    from hilore_verl.integration.engine import actor_config
-    from hilore_verl.integration.loss import ADVANTAGE_PROPORTIONAL_MODES, loss_coefficients
+    from hilore_verl.integration.tools.verl_engine import actor_config
+    from hilore_verl.integration.actor.loss import ADVANTAGE_PROPORTIONAL_MODES, loss_coefficients
 
     for mode in sorted(ADVANTAGE_PROPORTIONAL_MODES):
         config = actor_config(policy_loss={"loss_mode": mode, **MODE_SETTINGS.get(mode, {})}, loss_agg_mode=agg,
@@ -59,8 +59,8 @@ def test_declared_modes_are_proportional_to_the_advantage(agg):
 
 def test_every_registered_mode_is_declared_or_refused():
     """A mode verl registers later is refused until it is checked and declared here."""
-    from hilore_verl.integration.engine import actor_config, ppo_loss_fn
-    from hilore_verl.integration.loss import ADVANTAGE_PROPORTIONAL_MODES, policy_loss_modes, skip_refusal
+    from hilore_verl.integration.tools.verl_engine import actor_config, ppo_loss_fn
+    from hilore_verl.integration.actor.loss import ADVANTAGE_PROPORTIONAL_MODES, policy_loss_modes, skip_refusal
 
     refused = {"clip_cov", "kl_cov", "geo_mean", "dro", "bypass_mode"}
     assert set(policy_loss_modes()) == ADVANTAGE_PROPORTIONAL_MODES | refused
@@ -71,8 +71,8 @@ def test_every_registered_mode_is_declared_or_refused():
 
 def test_geo_mean_is_refused_because_it_couples_sequences():
     """What keeps geo_mean out: leaving a zero-advantage sequence out changes the others' coefficients."""
-    from hilore_verl.integration.engine import actor_config
-    from hilore_verl.integration.loss import loss_coefficients
+    from hilore_verl.integration.tools.verl_engine import actor_config
+    from hilore_verl.integration.actor.loss import loss_coefficients
 
     log_prob, old, adv, mask, zero = _random_batch(0)
     kept = (~zero).nonzero().flatten()
@@ -86,8 +86,8 @@ def test_geo_mean_is_refused_because_it_couples_sequences():
 def test_refusals_name_their_reason():
     from functools import partial
 
-    from hilore_verl.integration.engine import actor_config, ppo_loss_fn
-    from hilore_verl.integration.loss import skip_refusal
+    from hilore_verl.integration.tools.verl_engine import actor_config, ppo_loss_fn
+    from hilore_verl.integration.actor.loss import skip_refusal
 
     cases = {"KL loss": dict(use_kl_loss=True, kl_loss_coef=0.001), "entropy": dict(entropy_coeff=0.01),
              "padded response length": dict(loss_agg_mode="seq-mean-token-sum-norm")}
@@ -195,7 +195,7 @@ def _batch():
 
 
 def _engine_batch(batch, rank, world_size, dynamic):
-    from hilore_verl.integration.engine import to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
     from verl.utils import tensordict_utils as tu
 
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -212,9 +212,9 @@ def _grads(engine, td, loss_fn):
 
 
 def _modes_against_stock(rank, world_size, model_dir, batch, defer):
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
-    from hilore_verl.integration.loss import policy_loss_modes
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
+    from hilore_verl.integration.actor.loss import policy_loss_modes
 
     common = dict(gradient_checkpointing=True, lr=0.0, clip_grad=1e9, defer_gradient_sync=defer)
     stock = build_fsdp_engine(model_dir, **common)
@@ -243,7 +243,7 @@ def test_skip_against_stock_verl_on_two_ranks(tmp_path, defer):
     """Every registered loss mode (token-mean) and every aggregation mode (vanilla, fixed and dynamic
     micro-batch sizes), deferred gradient sync on and off: skipped where declared and exact, the update
     within the stated bound of stock verl's; bitwise stock verl's where it is refused."""
-    from hilore_verl.integration.loss import ADVANTAGE_PROPORTIONAL_MODES
+    from hilore_verl.integration.actor.loss import ADVANTAGE_PROPORTIONAL_MODES
 
     model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
     ranks = run_on_ranks(_modes_against_stock, 2, args=(model_dir, _batch(), defer))
@@ -259,8 +259,8 @@ def test_skip_against_stock_verl_on_two_ranks(tmp_path, defer):
 
 
 def _whole_mini_batch_skipped(rank, world_size, model_dir, batch):
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.hilore_engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     loss_fn = ppo_loss_fn(actor_config())
     common = dict(gradient_checkpointing=True, lr=1e-3, clip_grad=1.0)

@@ -19,7 +19,7 @@ WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_respo
 
 
 def _train_one_mini_batch(rank, world_size, model_dir, batch, use_remove_padding):
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from verl.utils.device import get_device_name
 
     engine = build_fsdp_engine(model_dir, use_remove_padding=use_remove_padding, micro_batch_size_per_gpu=2,

@@ -83,7 +83,7 @@ def test_bad_workloads_are_refused():
 
 
 def test_engine_batch_round_trips_through_verls_padding():
-    from hilore_verl.integration.engine import to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import to_engine_batch
     from verl.workers.utils.padding import no_padding_2_padding
 
     b = make_grpo_batch(W, seed=9)

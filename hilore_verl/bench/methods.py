@@ -185,7 +185,7 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
     elif name in ("int8_boundary", "fp8_boundary"):
         method.context = _boundary_codec(name.split("_")[0], model.config.hidden_size)
     elif name == "verl_offload":  # GPU only; verl's recipes pair it with GC
-        from hilore_verl.integration.baselines import enable_verl_activation_offload
+        from hilore_verl.integration.tools.verl_offload import enable_verl_activation_offload
 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_verl_activation_offload(model)

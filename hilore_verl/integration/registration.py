@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from hilore_verl.integration import config_check, cpu_support
+from hilore_verl.integration.actor import config_check
+from hilore_verl.integration.cpu_host import workers
 
-CPU_PLATFORM_MODULE = "hilore_verl.integration.cpu_platform"
+CPU_PLATFORM_MODULE = "hilore_verl.integration.cpu_host.platform"
 
 
 def register_all() -> list[str]:
@@ -17,7 +18,7 @@ def register_all() -> list[str]:
         # defined yet. The module registers it as its import ends, before anything asks verl for one.
         module.REGISTER_ON_IMPORT = True
     else:
-        from hilore_verl.integration.cpu_platform import register_cpu_platform
+        from hilore_verl.integration.cpu_host.platform import register_cpu_platform
 
         register_cpu_platform()
-    return ["platform:cpu", *cpu_support.install(), *config_check.install()]
+    return ["platform:cpu", *workers.install(), *config_check.install()]

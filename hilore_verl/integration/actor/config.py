@@ -32,9 +32,6 @@ from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
 
 logger = logging.getLogger("hilore_verl")
 
-BACKEND = "hilore_fsdp2"
-"""EngineRegistry backend key of HiLoReFSDPEngine (verl's own FSDP2 engine is under "fsdp2")."""
-
 
 @dataclass
 class HiLoReEngineConfig(FSDPEngineConfig):
@@ -68,11 +65,12 @@ class HiLoReActorConfig(FSDPActorConfig):
                              f"{self.ulysses_sequence_parallel_size} is not supported: Ulysses' all-to-alls run inside "
                              "the attention units, and recomputing a unit would run them again out of step with the "
                              "other ranks; set ulysses_sequence_parallel_size=1 (or hilore.enable=false)")
+        from hilore_verl.integration.actor.engine import BACKEND  # importing the engine registers it with verl
+
         values = {f.name: getattr(self.fsdp_config, f.name) for f in dataclasses.fields(FSDPEngineConfig) if f.init}
         engine = HiLoReEngineConfig(**values, hilore=section)
         object.__setattr__(engine, "strategy", BACKEND)  # the registry key; the engine builds FSDP2
         object.__setattr__(self, "engine", engine)
-        register_engine()
 
     def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None):
         super().validate(n_gpus, train_batch_size, model_config)
@@ -85,7 +83,7 @@ class HiLoReActorConfig(FSDPActorConfig):
             raise ValueError("hilore.enable=true with actor_rollout_ref.model.use_liger=true is not supported: Liger "
                              "replaces the norms, MLP activations and the head's loss with fused GPU kernels whose "
                              "saved tensors HiLoRe has not been checked against; set use_liger=false")
-        from hilore_verl.integration.map_check import check_unit_map
+        from hilore_verl.integration.actor.map_check import check_unit_map
 
         check_unit_map(model_config)  # a model no unit map fits: refused here, not in every worker after Ray
         if model_config.get("enable_gradient_checkpointing", False):
@@ -93,7 +91,3 @@ class HiLoReActorConfig(FSDPActorConfig):
                            "(actor_rollout_ref.model.enable_gradient_checkpointing=true stays as verl's fallback "
                            "for anything it does not manage)")
 
-
-def register_engine() -> None:
-    """Make HiLoReFSDPEngine known to verl's EngineRegistry (importing it registers it, once per process)."""
-    import hilore_verl.integration.hilore_engine  # noqa: F401

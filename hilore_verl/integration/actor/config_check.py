@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 import sys
 
-from hilore_verl.integration.after_import import when_imported
-from hilore_verl.integration.cpu_support import HF_ROLLOUT_NAME
+from hilore_verl.integration.cpu_host.after_import import when_imported
+from hilore_verl.integration.cpu_host.workers import HF_ROLLOUT_NAME
 
 
 def hilore_error(err: BaseException) -> str | None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hilore_verl import host_memory
-from hilore_verl.integration.collectives import all_reduce_on_host, host_group
+from hilore_verl.integration.actor.collectives import all_reduce_on_host, host_group
 
 
 def compute_device() -> torch.device:

@@ -1,6 +1,6 @@
 """verl's FSDP engine with HiLoRe: the runtime on the FSDP2 model and a plan per micro-batch.
 
-Registered in verl's EngineRegistry under the backend `BACKEND` (see actor_config.py for how a
+Registered in verl's EngineRegistry under the backend `BACKEND` (see config.py for how a
 recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
     gradient checkpointing on the managed layers, and says so);
@@ -32,12 +32,11 @@ import torch.distributed as dist
 import hilore_verl
 from hilore_verl import exposure, skip
 from hilore_verl.config import HiLoReConfig
-from hilore_verl.integration.actor_config import BACKEND
-from hilore_verl.integration.collectives import collectives_for
-from hilore_verl.integration.controller_file import read_controller_state, write_controller_state
-from hilore_verl.integration.device_memory import available_bytes, compute_device
-from hilore_verl.integration.loss import batch_skip_refusal, skip_refusal
-from hilore_verl.integration.shared_prompt import SharedPrompt, agreed_split, unsupported_model
+from hilore_verl.integration.actor.collectives import collectives_for
+from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
+from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
+from hilore_verl.integration.actor.loss import actor_exposure, batch_skip_refusal, loss_coefficients, skip_refusal
+from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
@@ -159,6 +158,11 @@ class VerlPasses:
         return available_bytes(compute_device(), self.engine.get_data_parallel_group())
 
 
+BACKEND = "hilore_fsdp2"
+"""verl's EngineRegistry backend key of HiLoReFSDPEngine (verl's own FSDP2 engine is under "fsdp2"). A recipe
+selects it through HiLoReActorConfig (config.py), whose engine config carries this key."""
+
+
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
 class HiLoReFSDPEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, *,
@@ -248,9 +252,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         mask = _padded(micro_batch, "response_mask")
         old = _padded(micro_batch, "old_log_probs")
         optional = {k: _padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
-        return exposure.loss_coefficients(old if log_prob is None else log_prob.to(old.device), old,
-                                          _padded(micro_batch, "advantages"), mask, self.actor_config,
-                                          check=False, **optional)
+        return loss_coefficients(old if log_prob is None else log_prob.to(old.device), old,
+                                 _padded(micro_batch, "advantages"), mask, self.actor_config,
+                                 check=False, **optional)
 
     def _exposure_l2(self, micro_batch, log_prob=None) -> torch.Tensor:
         """L2 of the micro-batch's exposure, a 0-d tensor (unread): |c_t|, plus the entropy bound when
@@ -260,8 +264,8 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             return torch.ones(())
         c = self._coefficients(micro_batch, log_prob)
         vocab = self._vocab_size() if getattr(self.actor_config, "entropy_coeff", 0) else None
-        return exposure.actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config,
-                                       vocab).l2_tensor()
+        return actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config,
+                              vocab).l2_tensor()
 
     def _exact_exposure(self, micro_batch, output):
         """The exact exposure of a trained micro-batch, deferred: a function the controller calls with

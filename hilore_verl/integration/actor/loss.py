@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ import hilore_verl.integration  # noqa: F401  (version check first)
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
+
+from hilore_verl import exposure
+from hilore_verl.exposure import check_inputs, padded
 
 
 def policy_loss_modes() -> list[str]:
@@ -39,7 +42,7 @@ def _private_config(actor_config, loss_scale_factor):
     return config
 
 
-def loss_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+def _ppo_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                       response_mask: torch.Tensor, actor_config: Any, rollout_is_weights: torch.Tensor | None = None,
                       ref_log_prob: torch.Tensor | None = None,
                       global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
@@ -72,6 +75,38 @@ def loss_coefficients(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advant
     return torch.zeros_like(lp) if grad is None else grad.detach()
 
 
+def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights=None,
+                      ref_log_prob=None, global_batch_info: Mapping[str, Any] | None = None,
+                      check: bool = True) -> torch.Tensor:
+    """c[b, t] = dL/dlog_prob[b, t] for verl's actor loss as configured (policy loss mode,
+    loss_agg_mode, KL loss, IS weights); entropy excluded (see the module docstring).
+
+    Tensors are padded (B, T) response-aligned, or jagged nested (one row per sequence) as in
+    verl's no-padding batches. `global_batch_info`: dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor, as the engine sets them (omit for a single-rank, single-micro-batch view).
+    `check=False` skips the value checks (`check_values`, one read of device data) of inputs already
+    checked; shapes and config are checked either way.
+    """
+    log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, ref_log_prob = (
+        padded(n, t) for n, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob),
+                                   ("advantages", advantages), ("response_mask", response_mask),
+                                   ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob)))
+    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+                    ("response_mask", response_mask)):
+        if t is None:
+            raise ValueError(f"{name} is required")
+    check_inputs(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
+                 values=check)
+    c = _ppo_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights,
+                          ref_log_prob, global_batch_info)
+    return c * response_mask.to(c.dtype)
+
+
+def predicted_coefficients(old_log_prob, advantages, response_mask, actor_config, **kwargs) -> torch.Tensor:
+    """Coefficients before the forward, at the on-policy point (log_prob = old_log_prob)."""
+    return loss_coefficients(old_log_prob, old_log_prob, advantages, response_mask, actor_config, **kwargs)
+
+
 def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
                         global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
     """w[b, t] = d agg_loss / d loss_mat[b, t]: how much one token's per-token loss counts (e.g. for entropy)."""
@@ -82,6 +117,29 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
     (w,) = torch.autograd.grad(loss, mat)
     return w
 
+
+
+def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,
+                   micro_batch_sizes: Sequence[int] | None = None,
+                   global_batch_info: Mapping[str, Any] | None = None) -> exposure.Exposure:
+    """`exposure.summarize` with the entropy bound that verl's actor config calls for.
+
+    With `actor_config.entropy_coeff` != 0, each token gets |entropy_coeff| * w_t * 2 ln V on top of
+    |c_t|, w_t from `aggregation_weights` for the config's `loss_agg_mode` (and `loss_scale_factor`)
+    in the same view as c (`global_batch_info` as given to `loss_coefficients`); `vocab_size` is
+    then required. With entropy_coeff 0 this is `exposure.summarize(c, response_mask, micro_batch_sizes)`.
+    """
+    c, response_mask = exposure.padded("c", c), exposure.padded("response_mask", response_mask)
+    coeff = float(getattr(actor_config, "entropy_coeff", 0.0) or 0.0)
+    if not coeff:
+        return exposure.summarize(c, response_mask, micro_batch_sizes)
+    if not vocab_size or vocab_size < 2:
+        raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
+    info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
+    info.update(global_batch_info or {})
+    weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
+    return exposure.summarize(c, response_mask, micro_batch_sizes, entropy_coeff=coeff, entropy_weights=weights,
+                     vocab_size=vocab_size)
 
 # Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
 # sequence's) log-probs, with no term across sequences: a sequence whose advantages are all 0 has a zero

@@ -1,6 +1,6 @@
 """What verl's workers need on a host without an accelerator, applied when verl imports them.
 
-verl 0.9.1 assumes an accelerator in three places that `main_ppo` reaches through Ray:
+verl 0.9.1 assumes an accelerator in these places that `main_ppo` reaches through Ray:
 
 - the process group: `initialize_global_process_group_ray` joins "cpu:gloo" with
   "<device>:<backend>", which on the CPU platform reads "cpu:gloo,cpu:gloo" and torch refuses it
@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from hilore_verl.integration.after_import import when_imported
+from hilore_verl.integration.cpu_host.after_import import when_imported
 
 FSDP_ENGINES = {"FSDPEngineWithLMHead": "language_model", "FSDPEngineWithValueHead": "value_model"}
 
@@ -66,9 +66,11 @@ def _fsdp_on_cpu(module) -> None:
     from verl.workers.engine.base import EngineRegistry
 
     for name, model_type in FSDP_ENGINES.items():
-        backends = EngineRegistry._engines.setdefault(model_type, {})
         for backend in ("fsdp", "fsdp2"):
-            backends.setdefault(backend, {}).setdefault("cpu", getattr(module, name))  # the patch may have done it
+            try:
+                EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(getattr(module, name))
+            except AssertionError:  # registered for "cpu" already (the optional patch does it in verl's file)
+                pass
     policy = module.CPUOffloadPolicy
 
     @functools.wraps(policy, updated=())
@@ -101,7 +103,7 @@ def _count_cpus(module) -> None:
     manager._check_resource_available = _check_resource_available
 
 
-HF_ROLLOUT = "hilore_verl.integration.hf_rollout"
+HF_ROLLOUT = "hilore_verl.integration.cpu_host.hf_rollout"
 HF_ROLLOUT_NAME = "hf"  # actor_rollout_ref.rollout.name
 
 

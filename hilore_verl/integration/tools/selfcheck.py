@@ -1,4 +1,5 @@
-"""Build a tiny verl FSDP2 engine here and train it one step: the proof `doctor` gives that verl runs."""
+"""What `doctor` asks of verl: the plugin loaded, the platform verl picked, and a tiny verl FSDP2 engine
+built here and trained one step (the proof that verl runs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ import hilore_verl.integration  # noqa: F401  (version check first)
 from hilore_verl.tiny_models import save_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
+
+
+def load_verl_plugin():
+    """Import verl (which loads its plugins' entry points) and return hilore-verl's plugin status."""
+    import verl  # noqa: F401
+
+    from hilore_verl.plugin import STATUS
+
+    return STATUS
+
+
+def platform_in_use() -> str:
+    """The platform verl's auto-detection picked, in words."""
+    from verl.plugin.platform import get_platform
+
+    from hilore_verl.integration.cpu_host.platform import PlatformCPU
+
+    current = get_platform()
+    if isinstance(current, PlatformCPU):
+        return "cpu (hilore-verl's CPU platform: gloo collectives, no accelerator)"
+    return f"{current.device_name} ({type(current).__name__}, vendor {current.vendor_name})"
 
 @dataclass
 class EngineCheck:
@@ -33,7 +55,7 @@ def engine_selfcheck() -> EngineCheck:
     """One GRPO train step (verl's ppo_loss) of a 2-layer Qwen2 through FSDPEngineWithLMHead, fsdp2, 1 rank."""
     from verl.utils.device import get_device_name, get_nccl_backend
 
-    from hilore_verl.integration.engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
 
     t0 = time.perf_counter()
     own_group = not dist.is_initialized()
