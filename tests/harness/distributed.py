@@ -1,5 +1,5 @@
-"""The package's rank launcher (hilore_verl.integration.launch), as the tests use it."""
+"""The package's rank launcher (hilore_verl.integration.tools.launch), as the tests use it."""
 
-from hilore_verl.integration.launch import RankFailed, free_port, run_on_ranks
+from hilore_verl.integration.tools.launch import RankFailed, free_port, run_on_ranks
 
 __all__ = ["RankFailed", "free_port", "run_on_ranks"]
