@@ -24,7 +24,7 @@ import time
 import torch
 
 from hilore_verl.gpucheck.stage import Context, StageReport
-from hilore_verl.host_memory import status_kib
+from hilore_verl.host_memory import peak_resident_bytes, resident_bytes
 
 BASELINES = ("no_gc", "gc", "int8_boundary", "fp8_boundary")
 SESSIONS = {"keep_recompute": ("gc_ratio", 1.10, 0.0), "hilore": ("gc_ratio", 1.10, 0.01),
@@ -59,7 +59,7 @@ def _peaks(cuda: bool) -> dict:
     if cuda:
         return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
-    return {"peak_rss_bytes": status_kib("VmHWM") * 1024}
+    return {"peak_rss_bytes": peak_resident_bytes()}
 
 
 def measure(method: str, config: dict, steps: int) -> dict:
@@ -75,7 +75,7 @@ def measure(method: str, config: dict, steps: int) -> dict:
     bench = BenchConfig(**config)
     batch = make_batch(bench)
     warm_up("cuda" if cuda else "cpu")
-    base = torch.cuda.memory_allocated() if cuda else status_kib("VmRSS") * 1024
+    base = torch.cuda.memory_allocated() if cuda else resident_bytes()
     start = time.perf_counter()
     if method in SESSIONS:
         mode, value, risk = SESSIONS[method]

@@ -14,7 +14,6 @@ under FSDP2's parameter offload the parameters are on the host while activations
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -39,8 +38,7 @@ _host_available_bytes = host_memory.available_bytes  # a name of its own here: t
 
 
 def _resident_bytes() -> float:
-    with open("/proc/self/statm") as f:
-        return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return float(host_memory.resident_bytes())
 
 
 def _ranks_on_this_host(group) -> int:

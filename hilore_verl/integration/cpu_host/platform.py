@@ -15,6 +15,7 @@ import platform as _host
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import psutil
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
@@ -24,10 +25,9 @@ PLATFORM_NAME = "cpu"
 def _host_memory() -> tuple[int, int]:
     """(available, total) host memory in bytes."""
     try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError):
+        memory = psutil.virtual_memory()
+        return memory.available, memory.total
+    except (OSError, psutil.Error):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 

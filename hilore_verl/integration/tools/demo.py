@@ -25,6 +25,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+import psutil
+
+from hilore_verl import host_memory
+
 ARMS = {"hilore": "true", "gc": "false"}
 
 
@@ -47,28 +51,15 @@ def default_recipe_dir() -> str:
 
 
 def _rank_pids() -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::WorkerDict"):
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::WorkerDict")]
 
 
 def _vm_hwm_gib(pid: int) -> float:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20  # kB -> GiB
-    except OSError:
-        pass
-    return 0.0
+        return host_memory.peak_resident_bytes(pid) / 2**30
+    except (OSError, RuntimeError):
+        return 0.0
 
 
 class _PeakWatcher(threading.Thread):
