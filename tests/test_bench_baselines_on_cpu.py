@@ -34,7 +34,7 @@ def test_verl_offload_steps_the_parameters_sharding_put_in_place(monkeypatch):
 
 
 def test_free_port_is_bindable():
-    from hilore_verl.integration.tools.verl_offload import free_port
+    from hilore_verl.integration.tools.launch import free_port
 
     port = free_port()
     with socket.socket() as s:

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -4,7 +4,6 @@ built here and trained one step (the proof that verl runs)."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hilore_verl.integration  # noqa: F401  (version check first)
+from hilore_verl.integration.tools.launch import free_port
 from hilore_verl.tiny_models import save_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 
@@ -45,12 +45,6 @@ class EngineCheck:
     seconds: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_selfcheck() -> EngineCheck:
     """One GRPO train step (verl's ppo_loss) of a 2-layer Qwen2 through FSDPEngineWithLMHead, fsdp2, 1 rank."""
     from verl.utils.device import get_device_name, get_nccl_backend
@@ -61,7 +55,7 @@ def engine_selfcheck() -> EngineCheck:
     own_group = not dist.is_initialized()
     if own_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

@@ -9,20 +9,13 @@ layer and copies them to host memory on a side stream.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 import hilore_verl.integration  # noqa: F401  (version check)
+from hilore_verl.integration.tools.launch import free_port
 from verl.utils.activation_offload import enable_activation_offloading
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def enable_verl_activation_offload(model: torch.nn.Module) -> None:
