@@ -13,8 +13,11 @@ Order of one mini-batch (`Session.train`):
                   from a checkpoint), average them over ranks, build the controller
   every call      step += 1; the controller gets every micro-batch's exposure and tokens,
                   reduced over ranks; an audit every `audit_every` steps; the framework's
-                  step under out-of-memory retries; the mini-batch's `hilore/*` metrics
-  per micro-batch `before_forward` applies the plan, `after_forward` hands on the exact exposure
+                  step under out-of-memory retries; the mini-batch's measured peak (max over
+                  ranks; peak_memory.py) to the controller, which plans tighter or looser after
+                  it (not for the first mini-batch nor a retried one); the `hilore/*` metrics
+  per micro-batch `before_forward` applies the plan (the one place a plan reaches the runtime,
+                  retries included), `after_forward` hands on the exact exposure
                   (a device tensor, or a function computing one: nothing waits for the device
                   between a forward and its backward); the controller reads them all at once
                   with the mini-batch's metrics
@@ -33,6 +36,7 @@ import torch
 
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.exposure import read_floats
+from hilore_verl.peak_memory import PeakMeter
 from hilore_verl.planner import Controller, profile
 from hilore_verl.planner.costs import measured_values, set_measured_values
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
@@ -95,8 +99,12 @@ class SingleProcess:
 
 
 class Session:
-    def __init__(self, config: HiLoReConfig, runtime: Runtime, passes: Passes, collectives: Collectives | None = None):
+    def __init__(self, config: HiLoReConfig, runtime: Runtime, passes: Passes, collectives: Collectives | None = None,
+                 peak_meter: PeakMeter | None = None):
+        """`peak_meter`: measures each mini-batch's peak memory (default: the device's, made at the first
+        mini-batch, when the model is on its device)."""
         self.config = config
+        self.peak_meter = peak_meter
         self.runtime = runtime
         self.passes = passes
         self.collectives = collectives or SingleProcess()
@@ -250,6 +258,7 @@ class Session:
             self.build_controller(micro_batches)
         self.step += 1
         self._begin(micro_batches, tokens)
+        self._meter().start()
         if self.controller.audit_due(self.step) and self.passes.has_coefficients:
             failed = False
             try:
@@ -267,6 +276,9 @@ class Session:
         out = self._train_with_retries(step)
         # timed for the measured choice of arm (planner/arms.py): not the first (profiling), nor a retried one
         self._timed = None if first or self.retries else (start, clock.mark(), self._layer_tokens)
+        peak = self._measured_peak()
+        if not first and not self.retries:  # the first ran the probes; a retry's includes the failed attempt
+            self.controller.end_mini_batch(peak)
         metrics = self.controller.metrics()
         metrics["hilore/oom_retries"] = float(self.retries)
         return out, metrics
@@ -293,6 +305,20 @@ class Session:
         self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in computed],
                                          seconds_per_token=max(per_token) if min(per_token) > 0 else None,
                                          row_tokens=[int(t) for t in counts])
+
+    def _meter(self) -> PeakMeter:
+        if self.peak_meter is None:
+            self.peak_meter = PeakMeter()
+            if not self.peak_meter.available:
+                logger.warning("hilore-verl: plans follow the memory model alone, without the measured-peak "
+                               "feedback: %s", self.peak_meter.why_not)
+        return self.peak_meter
+
+    def _measured_peak(self) -> float | None:
+        """This mini-batch's peak, the maximum over ranks (None where some rank could not measure it)."""
+        local = self._meter().read(self.controller.static_bytes)
+        peaks = [row[0] for row in self.collectives.gather([-1.0 if local is None else local])]
+        return None if min(peaks) < 0 else max(peaks)
 
     def _device_clock(self) -> DeviceClock:
         if self._clock is None:
@@ -394,11 +420,13 @@ class Session:
         index, self._micro_index = self._micro_index, self._micro_index + 1
         if self.retry_mode == "recompute":
             self.runtime.set_plan({u.name: "recompute" for u in self.runtime.units})
-        else:
-            plan = self.controller.plan_micro_batch(index)
-            if self.retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
-                self.runtime.set_plan(self.controller.runtime_plan(
-                    {u: "recompute" if m == "keep" else m for u, m in plan.items()}))
+            return index
+        plan = self.controller.plan_micro_batch(index)
+        if self.retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
+            self.runtime.set_plan(self.controller.runtime_plan(
+                {u: "recompute" if m == "keep" else m for u, m in plan.items()}))
+        else:  # measure=False: a plan the runtime need not hook (every unit kept, or HF's checkpointing) runs plain
+            self.runtime.set_plan(self.controller.runtime_plan(plan), measure=False)
         return index
 
     def records_risk(self) -> bool:

@@ -191,9 +191,10 @@ def test_more_budget_never_slower_and_oom_falls_back_to_recompute(tiny):
         times.append(sum(o.time for n, c in plan.items() for o in costs.options(by[n], tokens) if o.name == c))
         assert ctl.predicted_peak(plan, tokens) <= ctl.memory_budget + 1e-6
     assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
-    plan = ctl.on_oom()
-    assert set(plan.values()) == {"recompute"} and ctl.memory_factor == pytest.approx(0.9)
-    assert rt.plan_of("head").mode.value == "recompute"
+    before = rt.plan_of("head")
+    ctl.on_oom()
+    assert ctl.memory_factor == pytest.approx(0.9) and ctl.oom_factor == pytest.approx(0.9)
+    assert rt.plan_of("head") == before  # the controller plans; it never touches the runtime
 
 
 @pytest.mark.parametrize("ratio", [1.1, 1.5])
@@ -299,7 +300,7 @@ def test_stochastic_rounding_reaches_the_runtime(tiny):
         ctl = Controller(rt, costs, _flat_risk(costs.units), ROOMY, risk_budget=0.05,
                          stochastic=stochastic)
         ctl.begin_mini_batch([1.0], [tokens])
-        plan = ctl.plan_micro_batch(0)
+        plan = _applied(ctl, rt, 0)
         lossy = [u for u, c in plan.items() if c not in ("keep", "recompute")]
         assert lossy
         assert all(rt.plan_of(u).stochastic is stochastic for u in lossy)
@@ -365,7 +366,7 @@ def _calibrated_state(costs):
     risk.grad_scale = 0.123456789012345678
     ctl = Controller(None, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.01 / 3,
                      audit=GradientAudit(risk, risk_budget=0.01 / 3))
-    ctl.memory_factor = 0.9 * 0.95
+    ctl.oom_factor = 0.9 * 0.95
     return ctl.state_dict()
 
 
@@ -518,7 +519,7 @@ def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny
     for overhead in (0.0, 10.0):  # none, and more than any plan can gain
         ctl = Controller(rt, dataclasses.replace(costs, runtime_overhead_s=overhead), None, ROOMY)
         ctl.begin_mini_batch([1.0], [tokens])
-        planned[overhead] = (ctl.plan_micro_batch(0), rt.hands_off)
+        planned[overhead] = (_applied(ctl, rt, 0), rt.hands_off)
     solved, hands_off = planned[0.0]
     assert solved != checkpoint and not hands_off  # the budget's room buys kept units, through the hooks
     assert planned[10.0] == (checkpoint, True)
@@ -527,6 +528,13 @@ def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny
     rt.set_plan(ctl.runtime_plan(solved))  # the solver's plan, through the runtime: the same gradient
     run()
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
+
+
+def _applied(ctl, rt, index):
+    """Plan micro-batch `index` and apply it as the session does (session.py `before_forward`)."""
+    plan = ctl.plan_micro_batch(index)
+    rt.set_plan(ctl.runtime_plan(plan), measure=False)
+    return plan
 
 
 def test_the_arm_that_runs_is_the_one_measured_faster():
@@ -558,12 +566,12 @@ def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
     costs = dataclasses.replace(profile(rt, run, tokens, element_size=4), runtime_overhead_s=1e-9)  # measured, tiny
     ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.5))
     ctl.begin_mini_batch([1.0], [tokens])
-    solved = ctl.plan_micro_batch(0)
+    solved = _applied(ctl, rt, 0)
     assert solved != rt.checkpoint_plan() and not rt.hands_off and ctl.arms.informative
     ctl.arms.arm = "baseline"
-    assert ctl.plan_micro_batch(0) == rt.checkpoint_plan() and rt.hands_off
+    assert _applied(ctl, rt, 0) == rt.checkpoint_plan() and rt.hands_off
     ctl.arms.arm = "plan"
-    assert ctl.plan_micro_batch(0) == solved and not rt.hands_off  # each arm's plan cached apart
+    assert _applied(ctl, rt, 0) == solved and not rt.hands_off  # each arm's plan cached apart
 
 
 def test_a_budget_that_fits_every_unit_kept_keeps_every_unit(tiny):

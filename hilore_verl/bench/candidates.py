@@ -27,7 +27,7 @@ def candidate_controllers(chosen: Controller, count: int, tokens: int) -> list[F
     """Up to `count` runner-ups of the plan `chosen` gave its last micro-batch (at `tokens`, that micro-batch's
     exposure and risk allowance), plus keep / recompute's plan: one fixed-plan controller each."""
     last = chosen.history[-1]
-    plans = ranked_plans(chosen, tokens, count + 1, chosen.exposure_l2(0), last.risk_allowance)
+    plans = ranked_plans(chosen, tokens, count + 1, chosen.exposure(0), last.risk_allowance)
     return [FixedPlan(chosen.runtime, chosen.costs, chosen.risk, chosen.budget, static_bytes=chosen.static_bytes,
                       risk_budget=chosen.risk_budget, token_bucket=chosen.token_bucket, measure_baseline=False,
                       fixed=plan) for plan in plans if plan != last.plan][:count + 1]

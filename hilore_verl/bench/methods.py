@@ -105,7 +105,8 @@ class Method:
             timed, self.timed = self.timed, None
             self.controller.begin_mini_batch([self.exposure_l2], [layer_tokens(self.model, batch)],
                                              seconds_per_token=timed, row_tokens=[tokens_of(batch)])
-            self.controller.plan_micro_batch(0)
+            plan = self.controller.plan_micro_batch(0)
+            self.runtime.set_plan(self.controller.runtime_plan(plan), measure=False)
             self.plan_s.append(time.perf_counter() - t)
         head = (lambda fn, *args: self.runtime.call("head", fn, *args)) if self.runtime is not None else None
         with self.context() if self.context is not None else _null():

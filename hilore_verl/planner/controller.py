@@ -3,10 +3,11 @@
     ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
     ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per micro-batch, reduced over ranks
                                                           # (row_tokens=[...]: the shared-prompt layout's rows)
-    for i in micro-batches:  ctl.plan_micro_batch(i) ; forward ; ctl.after_forward(i, exact_l2) ; backward
+    for i in micro-batches:  plan = ctl.plan_micro_batch(i)   # the caller applies it (session.py)
+                             forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.metrics()                                         # reads the exact exposures, one transfer
-    ctl.end_mini_batch(measured_peak_bytes)
-    on out-of-memory:        plan = ctl.on_oom()          # retry the micro-batch with it
+    ctl.end_mini_batch(measured_peak_bytes)               # max over ranks; plans tighter / looser after it
+    after an out-of-memory retry: ctl.on_oom()            # later plans 10% tighter
     checkpoints:             ctl.state_dict() (plain numbers and names; planner/state.py writes and checks the file)
 
 Memory model of the actor update's peak (what the planner must keep under the budget):
@@ -52,6 +53,7 @@ from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import Mode, Runtime, UnitPlan
 
 
+MIN_PEAK_FACTOR = 0.5  # the measured-peak feedback plans under at least half the budget
 MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's overshoot less
 HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
 Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
@@ -77,7 +79,8 @@ class Controller:
     risk_budget: float = 0.01
     token_bucket: int = 256
     free_bytes: float | None = None
-    memory_factor: float = 1.0  # tightened on a measured overshoot or an out-of-memory error
+    oom_factor: float = 1.0  # x0.9 after each out-of-memory retry, never loosened (checkpointed)
+    peak_factor: float = 1.0  # from the measured peaks (`end_mini_batch`): tightened and loosened back
     audit: GradientAudit | None = None  # run by the integration on its schedule; adjusts risk_budget
     stochastic: bool = False  # compressed units round stochastically (seeded by the runtime's RuntimeConfig.seed)
     measure_baseline: bool = True  # time the solver's plans against the hands-off baseline, run the faster
@@ -92,10 +95,17 @@ class Controller:
                              f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
         self._cache: dict[tuple, tuple[dict[str, str], bool]] = {}  # key -> (plan, whether the arm chose it)
         self._micro: list[tuple[float, int, int]] = []  # per micro-batch: (exposure, T, N) (module docstring)
+        self._predicted_peaks: list[float] = []  # this mini-batch's plans' predicted peaks, for end_mini_batch
+        self.measured: tuple[float, float] | None = None  # the last mini-batch's (measured, predicted) peak
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
+
+    @property
+    def memory_factor(self) -> float:
+        """What the memory budget is multiplied by: out-of-memory retries and measured peaks, together."""
+        return self.oom_factor * self.peak_factor
 
     # ------------------------------------------------------------------ memory model
     def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
@@ -147,10 +157,11 @@ class Controller:
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
         self._micro = [(float(e), int(t), int(r)) for e, t, r in zip(exposure_l2, tokens, row_tokens)]
+        self._predicted_peaks = []
         self._audit_result = None
 
-    def exposure_l2(self, index: int) -> float:
-        """Global (all-reduced) exposure of micro-batch `index` of this mini-batch."""
+    def exposure(self, index: int) -> float:
+        """Micro-batch `index`'s exposure (L2 of c, reduced over ranks), as planned."""
         return self._micro[index][0]
 
     def tokens(self, index: int) -> tuple[int, int]:
@@ -158,7 +169,7 @@ class Controller:
         return self._micro[index][1], self._micro[index][2]
 
     def plan_micro_batch(self, index: int) -> dict[str, str]:
-        """Solve (or reuse) the plan for one local micro-batch and hand it to the runtime."""
+        """Solve (or reuse) the plan for one local micro-batch; the caller applies it (`runtime_plan`)."""
         l2, tokens, row = self._micro[index]  # global figures: the same on every rank
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
         bucket_row = math.ceil(row * bucket / tokens)  # the bucket at this micro-batch's share of its row
@@ -185,9 +196,9 @@ class Controller:
         self.arms.informative |= choice
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
-        self.runtime.set_plan(unit_plans, measure=False)  # every unit kept: the runtime stays out of the way
         predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
         self.history.append(PlanRecord(plan, peak, predicted_risk, allowance, solve_ms))
+        self._predicted_peaks.append(peak)
         if len(self.history) > HISTORY_KEPT:  # a long run plans millions of micro-batches
             del self.history[:-HISTORY_KEPT // 4]
         return plan
@@ -348,11 +359,26 @@ class Controller:
         record.spent_risk = self.risk.predict(self.runtime_plan(record.plan), exposure_l2_exact)
 
     def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
-        """If the measured peak went over the budget, plan tighter from now on. (A gc_ratio budget is
-        the one of the mini-batch's largest micro-batch: it follows the token count.)"""
-        budget = max((self.memory_budget_at(row) for _, _, row in self._micro), default=self.memory_budget)
-        if measured_peak_bytes is not None and measured_peak_bytes > budget * self.memory_factor:
-            self.memory_factor *= 0.95 * budget * self.memory_factor / measured_peak_bytes
+        """The mini-batch's measured peak (the maximum over ranks, so every rank adjusts alike; None: not
+        measured), against the largest peak its plans predicted, r = measured / predicted. Over the budget
+        with r > 1 (the model under-predicts): later plans are planned under budget / r, so that the same
+        error lands on the budget. r <= 1: the factor moves halfway back towards 1 each mini-batch. Within
+        the budget with r > 1: unchanged (the model errs, but the plans fit)."""
+        if measured_peak_bytes is None or not self._predicted_peaks:
+            return
+        predicted = max(self._predicted_peaks)
+        self.measured = (float(measured_peak_bytes), predicted)
+        ratio = measured_peak_bytes / predicted
+        budget = max(self.memory_budget_at(row) for _, _, row in self._micro)  # the largest micro-batch's
+        if ratio > 1 and measured_peak_bytes > budget:
+            self.peak_factor = max(min(self.peak_factor, 1 / ratio), MIN_PEAK_FACTOR)
+        elif ratio <= 1 and self.peak_factor < 1:
+            self.peak_factor = min(1.0, self.peak_factor + 0.5 * (1 - self.peak_factor))
+            if self.peak_factor > 1 - 1e-3:
+                self.peak_factor = 1.0
+        else:
+            return
+        self._cache.clear()
 
     def audit_due(self, step: int) -> bool:
         """Whether the integration should compute an exact gradient next to this step's approximate one."""
@@ -390,20 +416,17 @@ class Controller:
         self._cache.clear()
         return result
 
-    def on_oom(self) -> dict[str, str]:
-        """Out of memory: retry the micro-batch with every unit recomputed; plan 10% tighter afterwards."""
-        self.memory_factor *= 0.9
+    def on_oom(self) -> None:
+        """After an out-of-memory retry: plan 10% tighter from now on."""
+        self.oom_factor *= 0.9
         self._cache.clear()
-        plan = {u.name: "recompute" for u in self.costs.units}
-        self.runtime.set_plan(self.runtime_plan(plan))
-        return plan
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What a resumed run needs to continue calibrated: costs, risk model, budgets, audit state.
         Plain numbers, names and lists: `dump_state` writes it as JSON, `load_state` validates it."""
         return {"costs": dataclasses.asdict(self.costs), "risk": self.risk.state_dict() if self.risk else None,
-                "risk_budget": self.risk_budget, "memory_factor": self.memory_factor,
+                "risk_budget": self.risk_budget, "memory_factor": self.oom_factor,
                 "audit_budget": self.audit.risk_budget if self.audit is not None else None}
 
     @staticmethod
@@ -424,7 +447,7 @@ class Controller:
     def load_state_dict(self, state: dict) -> None:
         """Budgets and audit state (costs and risk model are passed to the constructor)."""
         self.risk_budget = state["risk_budget"]
-        self.memory_factor = state["memory_factor"]
+        self.oom_factor = state["memory_factor"]  # the measured-peak factor is measured again
         if self.audit is not None and state["audit_budget"] is not None:
             self.audit.risk_budget = state["audit_budget"]
         self._cache.clear()
@@ -446,6 +469,10 @@ class Controller:
                     "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][2]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
                     "hilore/plan/solver_ms": last.solve_ms})
+        if self.measured is not None:
+            out.update({"hilore/memory/measured_peak_gib": self.measured[0] / 2**30,
+                        "hilore/memory/predicted_peak_gib": self.measured[1] / 2**30,
+                        "hilore/memory/peak_factor": self.peak_factor})
         if last.spent_risk is not None:
             out["hilore/plan/risk_spent"] = last.spent_risk
         if self._audit_result is not None:  # only in the mini-batch whose audit ran

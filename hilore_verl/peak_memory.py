@@ -1,0 +1,68 @@
+"""The measured peak of one mini-batch, in the terms of the controller's memory model.
+
+The memory model predicts `static + what the update holds` (planner/controller.py). What is measured:
+
+    CUDA   torch.cuda.max_memory_allocated after reset_peak_memory_stats at the mini-batch's start:
+           every tensor the process holds on the device, static state included, so the figure is
+           compared as it is;
+    CPU    (Linux) the resident high-water mark, reset at the start (/proc/self/clear_refs <- 5), less
+           the resident size then, plus the static bytes: what the mini-batch added on top of the
+           state it started with. malloc may serve the update from memory it kept from an earlier
+           one, so this can read low; it never reads the libraries and the interpreter.
+
+Where neither is available (another OS, /proc not writable) `PeakMeter.available` is False with the
+reason, and the session plans without the feedback (and says so once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hilore_verl import host_memory
+
+CLEAR_REFS = "/proc/self/clear_refs"
+
+
+class PeakMeter:
+    """`start()` before a mini-batch, `read(static_bytes)` after it: its peak in bytes, or None."""
+
+    def __init__(self, cuda: bool | None = None):
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized() if cuda is None else cuda
+        self.why_not: str | None = None
+        self._start: float | None = None
+        if not self.cuda:
+            try:
+                self._reset_host_peak()
+                host_memory.peak_resident_bytes()
+            except (OSError, RuntimeError) as err:
+                self.why_not = f"the resident high-water mark cannot be reset or read here ({err})"
+
+    @property
+    def available(self) -> bool:
+        return self.why_not is None
+
+    def start(self) -> None:
+        if not self.available:
+            return
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        self._reset_host_peak()
+        self._start = float(host_memory.resident_bytes())
+
+    def read(self, static_bytes: float) -> float | None:
+        """The peak since `start()` (None if it was not started or cannot be measured)."""
+        if not self.available:
+            return None
+        if self.cuda:
+            return float(torch.cuda.max_memory_allocated())
+        if self._start is None:
+            return None
+        added = host_memory.peak_resident_bytes() - self._start
+        self._start = None
+        return static_bytes + max(added, 0.0)
+
+    @staticmethod
+    def _reset_host_peak() -> None:
+        with open(CLEAR_REFS, "w") as f:
+            f.write("5")
