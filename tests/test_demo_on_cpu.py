@@ -2,21 +2,20 @@
 per-step lines and the side-by-side table, and writes verl's per-step metrics as JSON."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hilore_verl.integration.tools.demo import DemoConfig, arm_command, step_record
+from tests.harness import subprocess as harness
 
 
 @pytest.mark.slow
 def test_demo_command(tmp_path):
     out = tmp_path / "demo.json"
     cli = Path(sys.executable).with_name("hilore-verl")
-    proc = subprocess.run([str(cli), "demo", "--steps", "2", "--json", str(out)], capture_output=True, text=True,
-                          timeout=1200)
+    proc = harness.run([str(cli), "demo", "--steps", "2", "--json", str(out)], timeout_s=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[hilore] step  2/2" in proc.stdout and "[    gc] step  2/2" in proc.stdout
     assert "HiLoRe / GC actor-update time:" in proc.stdout
@@ -32,8 +31,8 @@ def test_demo_command(tmp_path):
 
 
 def test_demo_bad_arm():
-    proc = subprocess.run([str(Path(sys.executable).with_name("hilore-verl")), "demo", "--arms", "hilore,nogc"],
-                          capture_output=True, text=True, timeout=300)
+    proc = harness.run([str(Path(sys.executable).with_name("hilore-verl")), "demo", "--arms", "hilore,nogc"],
+                       timeout_s=300)
     assert proc.returncode != 0 and "unknown demo arm 'nogc'; valid: hilore, gc" in proc.stderr
 
 

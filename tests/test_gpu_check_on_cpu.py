@@ -3,13 +3,13 @@
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from hilore_verl.gpucheck import run as gpu_run
+from tests.harness import subprocess as harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKED = ("verl", "ray", "hydra", "omegaconf")
@@ -51,7 +51,7 @@ def test_the_core_imports_without_verl_ray_hydra_or_omegaconf(tmp_path):
         except ImportError:
             print("blocked")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(site), capture_output=True, text=True, cwd=tmp_path)
+    proc = harness.run([sys.executable, "-c", code], env=_env(site), cwd=tmp_path, timeout_s=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "blocked"  # the blocker works, so the imports above really ran without verl
 
@@ -59,8 +59,8 @@ def test_the_core_imports_without_verl_ray_hydra_or_omegaconf(tmp_path):
 @pytest.mark.slow
 def test_the_cpu_rehearsal_runs_every_stage_without_verl(tmp_path):
     site, out = _blocking_site(tmp_path), tmp_path / "check"
-    proc = subprocess.run([sys.executable, "-m", "hilore_verl", "gpu-check", "--out", str(out), "--device", "cpu",
-                           "--tiny"], env=_env(site), capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    proc = harness.run([sys.executable, "-m", "hilore_verl", "gpu-check", "--out", str(out), "--device", "cpu",
+                        "--tiny"], env=_env(site), cwd=tmp_path, timeout_s=900)
     report = json.loads((out / "gpu_check.json").read_text())
     stages = {s["name"]: s for s in report["stages"]}
     assert list(stages) == list(gpu_run.STAGES)

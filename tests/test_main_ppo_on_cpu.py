@@ -3,11 +3,12 @@ tiny task, the plugin's `hf` rollout. Each test is one or two trainer runs of ab
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import subprocess as harness
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes" / "grpo"
@@ -29,7 +30,7 @@ def main_ppo(tmp_path, task, *overrides, name="run", config_path=RECIPES, config
              f"data.val_files={task}/val.parquet"]
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(config_path), "--config-name",
            config_name, *paths, "trainer.logger=[console,file]", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    proc = harness.run(cmd, timeout_s=timeout, env=env, cwd=tmp_path)
     steps = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, steps
 

@@ -1,13 +1,13 @@
 """`hilore-verl plan`: presets load to the published sizes, the plan fits its budget, bad input is one line."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hilore_verl.presets import PRESETS, load_config
+from tests.harness import subprocess as harness
 
 CLI = str(Path(sys.executable).with_name("hilore-verl"))
 
@@ -48,8 +48,8 @@ def test_moe_presets_have_the_published_active_sizes():
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "gemma-3-12b"])
 def test_plan_of_other_family_presets(tmp_path, preset):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([CLI, "plan", "--model", preset, "--gpu-mem-gib", "140", "--micro-batch-tokens", "4096",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    proc = harness.run([CLI, "plan", "--model", preset, "--gpu-mem-gib", "140", "--micro-batch-tokens", "4096",
+                        "--json", str(out)], timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["peak_gib"] <= result["budget_gib"] and result["gc_peak_gib"] < result["no_gc_peak_gib"]
@@ -59,8 +59,8 @@ def test_plan_of_other_family_presets(tmp_path, preset):
 
 def test_plan_of_a_preset(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([CLI, "plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "40", "--micro-batch-tokens",
-                           "4096", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    proc = harness.run([CLI, "plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "40", "--micro-batch-tokens",
+                        "4096", "--json", str(out)], timeout_s=600)
     assert proc.returncode == 0, proc.stderr
     assert "predicted actor-update time saved against full GC" in proc.stdout and "layer 23" in proc.stdout
     result = json.loads(out.read_text())
@@ -73,8 +73,8 @@ def test_plan_of_a_preset(tmp_path):
 
 def test_plan_of_a_model_directory(tmp_path):
     load_config("llama-3.2-1b").save_pretrained(tmp_path)
-    proc = subprocess.run([CLI, "plan", "--model", str(tmp_path), "--micro-batch-tokens", "1024", "--budget", "gib:20"],
-                          capture_output=True, text=True, timeout=600)
+    proc = harness.run([CLI, "plan", "--model", str(tmp_path), "--micro-batch-tokens", "1024", "--budget", "gib:20"],
+                       timeout_s=600)
     assert proc.returncode == 0, proc.stderr
     assert "budget 20.00 GiB" in proc.stdout
 
@@ -103,8 +103,7 @@ def test_a_model_the_meta_device_cannot_run_is_refused_in_one_line(tmp_path, cap
     (["--model", "qwen2.5-7b", "--gpus", "1", "--gpu-mem-gib", "24"], "full recompute alone needs"),
 ])
 def test_bad_input_is_one_line(args, message):
-    proc = subprocess.run([CLI, "plan", *args, "--micro-batch-tokens", "1024"], capture_output=True, text=True,
-                          timeout=600)
+    proc = harness.run([CLI, "plan", *args, "--micro-batch-tokens", "1024"], timeout_s=600)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -171,11 +170,12 @@ def test_plan_predicts_a_shared_prompt_from_the_group_shape():
     assert shared_tokens(1000, 100, 100, 1) == 1000  # one response per prompt: nothing to share
     argv = [CLI, "plan", "--model", "qwen2.5-0.5b", "--gpu-mem-gib", "80", "--micro-batch-tokens", "10240",
             "--gpus", "1"]
-    out = subprocess.run(argv + ["--prompt-len", "512", "--response-len", "128", "--group-size", "8"],
-                         capture_output=True, text=True, check=True).stdout
+    proc = harness.run(argv + ["--prompt-len", "512", "--response-len", "128", "--group-size", "8"], timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
     line = next(line for line in out.splitlines() if line.startswith("shared prompt"))
     assert "3072 instead of 10240 tokens per micro-batch (70% fewer)" in line, line
     saved = float(line.split("with full GC")[0].rsplit(":", 1)[1].strip().rstrip("%,").strip("% "))
     assert 50 < saved < 80, line  # fewer tokens, less time: about their share
-    bad = subprocess.run(argv + ["--prompt-len", "512"], capture_output=True, text=True)
+    bad = harness.run(argv + ["--prompt-len", "512"], timeout_s=300)
     assert bad.returncode == 2 and "go together" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -3,11 +3,12 @@ one rank per node, HiLoRe on. verl loads the plugin in every Ray worker on both 
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import subprocess as harness
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -64,8 +65,7 @@ def test_tiny_recipe_on_two_nodes(tmp_path):
             f"data.val_files={task}/val.parquet"]
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log), "HYDRA_FULL_ERROR": "1"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(driver), *args], capture_output=True, text=True, timeout=900,
-                          env=env, cwd=tmp_path)
+    proc = harness.run([sys.executable, str(driver), *args], timeout_s=900, env=env, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     steps = [json.loads(line) for line in log.read_text().splitlines()]

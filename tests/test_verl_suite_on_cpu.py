@@ -3,13 +3,13 @@ passes in this project's environment, with hilore-verl's plugin loaded in the ru
 
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
+from tests.harness import subprocess as harness
 from tests.harness.verl_suite import installed_verl, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +28,8 @@ def test_verl_s_own_cpu_tests_pass_with_the_plugin_loaded(tmp_path):
     report = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HILORE_SUITE_REPORT": str(report),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "verl_suite"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(SUITE / "pytest.ini"), "--rootdir",
-                           str(SUITE), "-p", "hilore_suite_check", *files], cwd=SUITE, env=env,
-                          capture_output=True, text=True, timeout=2400)
+    proc = harness.run([sys.executable, "-m", "pytest", "-q", "-c", str(SUITE / "pytest.ini"), "--rootdir",
+                        str(SUITE), "-p", "hilore_suite_check", *files], cwd=SUITE, env=env, timeout_s=2400)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     print(tail.strip().splitlines()[-1])  # the suite's summary line

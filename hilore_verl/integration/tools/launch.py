@@ -49,6 +49,15 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str
         dist.destroy_process_group()
 
 
+def _kill_ranks(processes, join_s: float = 30) -> None:
+    """SIGKILL every rank process still running, then reap them all (each waited for up to `join_s`)."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(join_s)
+
+
 class RankFailed(RuntimeError):
     """`fn` raised on a rank; the message holds that rank's traceback."""
 
@@ -63,17 +72,22 @@ def run_on_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout_s:
                                      nprocs=world_size, join=False, start_method="spawn")
             deadline = time.monotonic() + timeout_s
             try:
-                while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # raises if a rank failed
-                    if time.monotonic() >= deadline:
-                        for process in ctx.processes:
-                            process.kill()
-                        raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout_s} s")
-            except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-                for r in range(world_size):  # report the rank whose fn raised, not one that lost its peer
-                    path = os.path.join(out_dir, f"rank{r}.error")
-                    if os.path.exists(path):
-                        with open(path) as f:
-                            raise RankFailed(f"{fn.__name__} failed on rank {r}:\n{f.read()}") from err
+                try:
+                    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # raises if a rank failed
+                        if time.monotonic() >= deadline:  # the ranks are killed below
+                            raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within "
+                                               f"{timeout_s} s")
+                except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+                    for r in range(world_size):  # report the rank whose fn raised, not one that lost its peer
+                        path = os.path.join(out_dir, f"rank{r}.error")
+                        if os.path.exists(path):
+                            with open(path) as f:
+                                raise RankFailed(f"{fn.__name__} failed on rank {r}:\n{f.read()}") from err
+                    raise
+            except BaseException:
+                # whatever ended the wait (the deadline, a failed rank, KeyboardInterrupt, a test's timeout):
+                # no rank process outlives the call
+                _kill_ranks(ctx.processes)
                 raise
             return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
