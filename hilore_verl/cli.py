@@ -67,7 +67,8 @@ def _plan(args: argparse.Namespace) -> int:
         from dataclasses import asdict
 
         with open(args.json, "w") as f:
-            json.dump({**asdict(result), "saved_vs_gc": result.saved_vs_gc}, f, indent=1)
+            json.dump({**asdict(result), "plan": {u: str(p) for u, p in result.plan.items()},
+                       "saved_vs_gc": result.saved_vs_gc}, f, indent=1)
     return 0
 
 

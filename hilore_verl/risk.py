@@ -26,8 +26,8 @@ from typing import Callable, Mapping, Sequence, Union
 import torch
 
 from hilore_verl.kernels import FORMATS, reference
-from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.units import representatives, unit_kind
+from hilore_verl.runtime.plan import RECOMPUTE, Mode, UnitPlan
+from hilore_verl.units import representatives, name_in_layer
 
 PlanLike = Mapping[str, Union[str, UnitPlan]]
 
@@ -42,10 +42,8 @@ def codec_error(fmt: str, group_size: int = 64, stochastic: bool = False) -> flo
 
 
 def _lossy(plan: Union[str, UnitPlan]) -> tuple[str, int, bool] | None:
-    """(format, group size, stochastic) of a compressed unit's plan; None for keep / recompute.
-    Accepts the planner's option names too ("int8+offload": offload does not change the error)."""
-    if isinstance(plan, str):
-        plan = plan.partition("+")[0]
+    """(format, group size, stochastic) of a compressed unit's plan; None for keep / recompute (offload
+    does not change the error)."""
     p = UnitPlan.parse(plan)
     return (p.fmt, p.group_size, p.stochastic) if p.mode == Mode.COMPRESS else None
 
@@ -74,12 +72,6 @@ class RiskModel:
     def predict(self, plans: PlanLike, exposure_l2: float) -> float:
         """Predicted |g_approx - g_exact| for the plan on a micro-batch with this exposure."""
         return math.sqrt(sum(self.unit_risk(u, p, exposure_l2) ** 2 for u, p in plans.items()))
-
-    def predict_relative(self, plans: PlanLike) -> float:
-        """Predicted |g_approx - g_exact| / |g_exact| (independent of the micro-batch's exposure)."""
-        if self.grad_scale is None:
-            raise ValueError("the risk model is not calibrated: run calibrate() first")
-        return self.predict(plans, 1.0) / self.grad_scale
 
     def add_measurement(self, unit: str, fmt: str, group_size: int, exposure_l2: float, measured: float) -> None:
         """One probe: the deviation measured with only `unit` compressed."""
@@ -138,15 +130,15 @@ def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: S
     return model
 
 
-def calibrate_by_kind(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
+def calibrate_by_group(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
                       group_size: int = 64, model: RiskModel | None = None,
                       groups: dict[str, str] | None = None) -> RiskModel:
     """`calibrate` on one unit per group (`groups`: unit -> group, default the name within the layer;
     the middle layer's, and the head), under GC's plan; every unit of a group then shares its
     sensitivity (audits re-scale units one by one afterwards)."""
-    groups = groups or {n: unit_kind(n) for n in units}
+    groups = groups or {n: name_in_layer(n) for n in units}
     reps = representatives(list(units), groups)
-    gc_plan = {n: "recompute" for n in units if n.startswith("layers.")}
+    gc_plan = {n: RECOMPUTE for n in units if n.startswith("layers.")}
     model = calibrate(grad_fn, list(reps.values()), exposure_l2, fmts, group_size, model, base=gc_plan)
     for n in units:
         rep = reps[groups[n]]

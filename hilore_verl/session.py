@@ -41,8 +41,8 @@ from hilore_verl.planner import Controller, profile
 from hilore_verl.planner.costs import measured_values, set_measured_values
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
-from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_kind
-from hilore_verl.runtime import Runtime, UnitPlan
+from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_group
+from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 from hilore_verl.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
@@ -182,7 +182,7 @@ class Session:
             best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
             batch = self._probe(micro_batches[best], bound, priority=exposures[best].pow(2).sum(-1).tolist())
             coeff = passes.coefficients(batch)  # the most exposed sequences that fit the bound
-            risk = calibrate_by_kind(lambda plan: self._surrogate(plan, batch, coeff),
+            risk = calibrate_by_group(lambda plan: self._surrogate(plan, batch, coeff),
                                      [u.name for u in self.runtime.units], float(coeff.pow(2).sum().sqrt()),
                                      fmts=c.formats[:1], group_size=c.group_size, model=RiskModel(),
                                      groups={u.name: u.group for u in self.runtime.units})
@@ -205,7 +205,7 @@ class Session:
     def _surrogate(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor:
         """This rank's gradient of sum_t c_t log p_t under `plan`; units it does not name are
         recomputed (exact, and the least memory)."""
-        full = {u.name: "recompute" for u in self.runtime.units}
+        full = {u.name: RECOMPUTE for u in self.runtime.units}
         full.update(plan)
         return self.passes.surrogate_gradient(full, batch, c)
 
@@ -419,12 +419,12 @@ class Session:
         """Before a training micro-batch's forward: apply its plan; returns its index."""
         index, self._micro_index = self._micro_index, self._micro_index + 1
         if self.retry_mode == "recompute":
-            self.runtime.set_plan({u.name: "recompute" for u in self.runtime.units})
+            self.runtime.set_plan({u.name: RECOMPUTE for u in self.runtime.units})
             return index
         plan = self.controller.plan_micro_batch(index)
         if self.retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
             self.runtime.set_plan(self.controller.runtime_plan(
-                {u: "recompute" if m == "keep" else m for u, m in plan.items()}))
+                {u: RECOMPUTE if p == KEEP else p for u, p in plan.items()}))
         else:  # measure=False: a plan the runtime need not hook (every unit kept, or HF's checkpointing) runs plain
             self.runtime.set_plan(self.controller.runtime_plan(plan), measure=False)
         return index

@@ -63,7 +63,7 @@ def _find_decoder(model: nn.Module) -> tuple[nn.ModuleList, nn.Module | None, nn
     return layers, final_norm, head
 
 
-def unit_kind(name: str) -> str:
+def name_in_layer(name: str) -> str:
     """The name within the layer: "attn.norm" for "layers.3.attn.norm"; the head is its own."""
     return name.split(".", 2)[-1] if name.startswith("layers.") else name
 
@@ -71,7 +71,7 @@ def unit_kind(name: str) -> str:
 def representatives(names: list[str], groups: dict[str, str] | None = None) -> dict[str, str]:
     """One unit per group (default: per name within the layer), from the middle one of the decoder
     layers that have the group (the head as itself): group -> unit name."""
-    groups = groups or {n: unit_kind(n) for n in names}
+    groups = groups or {n: name_in_layer(n) for n in names}
     layers: dict[str, list[int]] = {}
     for n in names:
         if n.startswith("layers."):

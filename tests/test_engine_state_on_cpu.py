@@ -1,6 +1,6 @@
 """HiLoReFSDPEngine's state and bookkeeping: the audit's micro-batch and metrics, exposure under an
 entropy bonus, stochastic rounding in the plans, and the controller state in checkpoints (JSON,
-validated, never unpickled)."""
+validated)."""
 
 import json
 import logging
@@ -70,21 +70,11 @@ def _valid_state_text(names):
     return dump_state(Controller(None, costs, None, BudgetConfig()).state_dict())
 
 
-class _RunsCodeWhenUnpickled:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (pathlib.Path(self.marker),)
-
-
 def _write_case(directory, case, good_text):
     """Put a checkpoint directory's controller state into one of the states a run must refuse."""
     json_path = os.path.join(directory, "hilore_controller.json")
-    legacy_path = os.path.join(directory, "hilore_controller.pt")
-    for path in (json_path, legacy_path):
-        if os.path.exists(path):
-            os.remove(path)
+    if os.path.exists(json_path):
+        os.remove(json_path)
     if case == "good":
         pathlib.Path(json_path).write_text(good_text)
     elif case == "garbage":
@@ -94,9 +84,7 @@ def _write_case(directory, case, good_text):
         doc["state"]["costs"]["units"] = [u for u in doc["state"]["costs"]["units"]
                                           if not u["name"].startswith("layers.1.")]
         pathlib.Path(json_path).write_text(json.dumps(doc))
-    elif case == "legacy":  # what earlier versions wrote: a pickle, here one that runs code when loaded
-        torch.save(_RunsCodeWhenUnpickled(os.path.join(directory, "unpickled")), legacy_path)
-    return json_path if case != "legacy" else legacy_path
+    return json_path
 
 
 class _Messages(logging.Handler):
@@ -108,7 +96,7 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("case", ["garbage", "units", "legacy"])
+@pytest.mark.parametrize("case", ["garbage", "units"])
 def test_a_bad_controller_state_is_refused_with_one_message(tmp_path, case):
     names = _unit_names()
     path = _write_case(str(tmp_path), case, _valid_state_text(names))
@@ -121,12 +109,8 @@ def test_a_bad_controller_state_is_refused_with_one_message(tmp_path, case):
         logging.getLogger("hilore_verl").removeHandler(handler)
     assert len(handler.messages) == 1 and path in handler.messages[0], handler.messages
     assert "profiles and calibrates again" in handler.messages[0]
-    reason = {"garbage": "not JSON", "units": "not this model's", "legacy": "old pickle format"}[case]
+    reason = {"garbage": "not JSON", "units": "not this model's"}[case]
     assert reason in handler.messages[0], handler.messages[0]
-    assert not (tmp_path / "unpickled").exists()  # the pickle was never loaded
-    if case == "legacy":  # ... and it was armed: unpickling it runs its code
-        torch.load(path, weights_only=False)
-        assert (tmp_path / "unpickled").exists()
     _write_case(str(tmp_path), "good", _valid_state_text(names))
     assert engine._read_state(str(tmp_path))["costs"]["tokens"] == 96
 
@@ -197,7 +181,7 @@ def test_audits_sample_an_exposed_micro_batch_and_report_only_when_run(tmp_path)
     assert no_exposure == {} and not_due == {}  # no audit, no audit metrics (not the last audit's again)
     for r in ranks:
         assert r["skipped"] == {"budget": True, "history": True}
-        assert r["stochastic"] and r["compressed"] > 0 and r["all_stochastic"]  # hilore.stochastic_rounding
+        assert r["stochastic"] and r["compressed"] > 0 and r["all_stochastic"], r  # hilore.stochastic_rounding
 
 
 def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
@@ -224,12 +208,12 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     good = pathlib.Path(ckpt_dir, "hilore_controller.json").read_text()
     plan = dict(engine.controller.history[-1].plan)
     results = {}
-    for case in ("garbage", "units", "legacy", "one rank", "good"):
+    for case in ("garbage", "units", "one rank", "good"):
         dist.barrier()
         if rank == 0:
             path = _write_case(ckpt_dir, "good" if case == "one rank" else case, good)
         dist.barrier()
-        path = os.path.join(ckpt_dir, "hilore_controller.pt" if case == "legacy" else "hilore_controller.json")
+        path = os.path.join(ckpt_dir, "hilore_controller.json")
         load_state = controller_file.load_state
         if case == "one rank" and rank == 1:  # this rank alone cannot use the file: nobody may
             controller_file.load_state = lambda *a, **k: (_ for _ in ()).throw(ValueError("simulated"))
@@ -244,7 +228,7 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
         results[case] = {"profiled": len(profiles) - before, "messages": messages,
                          "names_file": all(path in m for m in messages),
                          "same_plan": dict(engine.controller.history[-1].plan) == plan}
-    return {"files": files, "cases": results, "unpickled": os.path.exists(os.path.join(ckpt_dir, "unpickled"))}
+    return {"files": files, "cases": results}
 
 
 def test_a_checkpoint_with_a_bad_controller_state_re_profiles(tmp_path):
@@ -253,8 +237,7 @@ def test_a_checkpoint_with_a_bad_controller_state_re_profiles(tmp_path):
                          args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), str(tmp_path / "ckpt")))
     for rank, r in enumerate(ranks):
         assert r["files"] == ["hilore_controller.json"], r["files"]  # JSON, no pickle
-        assert not r["unpickled"]
-        for case in ("garbage", "units", "legacy", "one rank"):
+        for case in ("garbage", "units", "one rank"):
             c = r["cases"][case]
             assert c["profiled"] == 1 and len(c["messages"]) == 1 and c["same_plan"], (rank, case, c)
             if case != "one rank":

@@ -114,14 +114,13 @@ def test_fully_clipped_tokens_have_zero_coefficient():
     assert c[1, 2] == 0 and c[1, 0] != 0
 
 
-def test_predicted_coefficients_are_the_on_policy_point():
+def test_coefficients_at_the_on_policy_point():
+    """What the engine predicts before a forward: c at log_prob = old_log_prob."""
     config = actor_config()
     batch, _ = _batch()
     mask = batch["response_mask"]
-    pred = actor_loss.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, config)
-    exact = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], batch["advantages"], mask,
-                                       config)
-    assert torch.equal(pred, exact)
+    pred = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], batch["advantages"], mask,
+                                        config)
     # at ratio 1, vanilla token-mean: c = -A / tokens
     assert torch.allclose(pred, -batch["advantages"] * mask / mask.sum())
 
@@ -206,7 +205,7 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
     zero = torch.zeros_like(batch["advantages"])
     for coeff in (0.0, 0.01):
         config = actor_config(loss_agg_mode=agg, entropy_coeff=coeff)
-        c = actor_loss.predicted_coefficients(batch["old_log_probs"], zero, mask, config)
+        c = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], zero, mask, config)
         assert (c == 0).all()
         e = actor_loss.actor_exposure(c, mask, config, vocab_size=512, micro_batch_sizes=[4, 4, 4])
         if coeff == 0:
@@ -219,7 +218,8 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
     with pytest.raises(ValueError, match="vocab_size is required"):
         actor_loss.actor_exposure(c, mask, actor_config(entropy_coeff=0.01))
     # without entropy the actor's exposure is summarize's
-    c = actor_loss.predicted_coefficients(batch["old_log_probs"], batch["advantages"], mask, actor_config())
+    c = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], batch["advantages"], mask,
+                                     actor_config())
     assert actor_loss.actor_exposure(c, mask, actor_config()).l2_of() == exposure.summarize(c, mask).l2_of()
 
 

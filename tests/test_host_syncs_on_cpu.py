@@ -140,11 +140,12 @@ def test_the_controller_reads_a_mini_batch_of_exact_exposures_at_once_as_floats_
     from hilore_verl.planner import BudgetConfig, Controller, CostTable, UnitProfile
     from hilore_verl.planner.controller import PlanRecord
     from hilore_verl.risk import RiskModel
+    from hilore_verl.runtime import KEEP, UnitPlan
 
     units = [UnitProfile(f"layers.0.u{i}", 1e6, 1e5, 1e-3) for i in range(3)]
     risk = RiskModel(sensitivity={u.name: 0.5 + i for i, u in enumerate(units)}, grad_scale=1.0)
     ctl = Controller(None, CostTable(units, tokens=256, unmanaged_bytes=0.0), risk, BudgetConfig("gc_ratio", 2.0))
-    plan = {"layers.0.u0": "int8", "layers.0.u1": "int4", "layers.0.u2": "keep"}
+    plan = {"layers.0.u0": UnitPlan.parse("int8"), "layers.0.u1": UnitPlan.parse("int4"), "layers.0.u2": KEEP}
     values = [0.25, torch.tensor(1.5), lambda: torch.tensor(3.0, dtype=torch.float64), torch.tensor(0.1)]
     ctl.begin_mini_batch([1.0], [256])
     for value in values:

@@ -10,6 +10,7 @@ import torch
 
 import hilore_verl
 import hilore_verl.planner.solver as solver_module
+from hilore_verl.runtime import KEEP, RECOMPUTE, UnitPlan
 from hilore_verl.planner import BudgetConfig, Controller, Infeasible, Option, profile, solve
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.risk import RiskModel
@@ -134,8 +135,9 @@ def test_predicted_memory_matches_the_runtime_across_plans(tiny):
     model, rt, run, tokens, costs = tiny
     ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 2.0))
     rng = random.Random(0)
-    plans = [{u.name: m for u in costs.units} for m in ("keep", "recompute", "int8", "fp8", "int4")]
-    plans += [{u.name: rng.choice(["keep", "recompute", "int8", "int4"]) for u in costs.units} for _ in range(5)]
+    plans = [{u.name: UnitPlan.parse(m) for u in costs.units} for m in ("keep", "recompute", "int8", "fp8", "int4")]
+    plans += [{u.name: UnitPlan.parse(rng.choice(["keep", "recompute", "int8", "int4"])) for u in costs.units}
+              for _ in range(5)]
     figures = []
     for plan in plans:
         rt.set_plan(ctl.runtime_plan(plan))
@@ -188,7 +190,7 @@ def test_more_budget_never_slower_and_oom_falls_back_to_recompute(tiny):
         ctl.begin_mini_batch([1.0], [tokens])
         plan = ctl.plan_micro_batch(0)
         by = {u.name: u for u in costs.units}
-        times.append(sum(o.time for n, c in plan.items() for o in costs.options(by[n], tokens) if o.name == c))
+        times.append(sum(o.time for n, c in plan.items() for o in costs.options(by[n], tokens) if o.plan == c))
         assert ctl.predicted_peak(plan, tokens) <= ctl.memory_budget + 1e-6
     assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
     before = rt.plan_of("head")
@@ -208,7 +210,7 @@ def test_every_micro_batch_fits_its_own_gc_ratio_budget_far_below_the_token_buck
     options = costs.options
 
     def with_fixed_codec_state(unit, n, risk=None):  # compressed state with a per-unit part (e.g. scale padding)
-        return [o if o.name in ("keep", "recompute") else dataclasses.replace(o, memory=o.memory + 2048)
+        return [o if o.plan.exact else dataclasses.replace(o, memory=o.memory + 2048)
                 for o in options(unit, n, risk)]
 
     costs.options = with_fixed_codec_state
@@ -320,7 +322,7 @@ def test_offloaded_compression_is_planned_with_a_risk_model(tiny):
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.0), risk_budget=0.05)
     ctl.begin_mini_batch([1.0], [tokens])
     plan = ctl.plan_micro_batch(0)  # an "int8+offload" choice is priced as int8
-    assert any(c.endswith("+offload") for c in plan.values()), plan
+    assert any(c.offload for c in plan.values()), plan
     assert 0 < ctl.history[-1].predicted_risk <= ctl.history[-1].risk_allowance + 1e-12
     ctl.after_forward(0, 1.0)
     assert ctl.history[-1].spent_risk == pytest.approx(ctl.history[-1].predicted_risk)
@@ -465,7 +467,7 @@ def test_ranks_average_every_float_field_of_the_cost_table():
 
 def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
     """Every probe plan (profile and calibration) recomputes every decoder layer but at most one."""
-    from hilore_verl.risk import calibrate_by_kind
+    from hilore_verl.risk import calibrate_by_group
 
     model, rt, run, tokens, _ = _tiny_probe()
     plans = []
@@ -481,7 +483,7 @@ def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
         grads.append(1)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    risk = calibrate_by_kind(grad_fn, [u.name for u in rt.units], 1.0, fmts=("int8",))
+    risk = calibrate_by_group(grad_fn, [u.name for u in rt.units], 1.0, fmts=("int8",))
     for plan in plans:
         not_recomputed = {n.split(".")[1] for n in (u.name for u in rt.units)
                           if n.startswith("layers.") and str(plan.get(n, "keep")) != "recompute"}
@@ -578,7 +580,7 @@ def test_a_budget_that_fits_every_unit_kept_keeps_every_unit(tiny):
     """At no GC's peak (the budget of keeping everything at the micro-batch's own tokens), every unit is
     kept, though plans are cached per bucket of tokens (a bucket's largest micro-batch would not fit)."""
     model, rt, run, _, costs = tiny
-    keep = {u.name: "keep" for u in costs.units}
+    keep = {u.name: KEEP for u in costs.units}
     for tokens in (300, 500, 509):  # none a multiple of the token bucket
         probe = Controller(rt, costs, None, BudgetConfig("gc_ratio", 2.0))
         ctl = Controller(rt, costs, None, BudgetConfig("gib", probe.predicted_peak(keep, tokens) / 2**30))
@@ -627,7 +629,7 @@ def test_with_shared_prompts_units_follow_the_computed_tokens_and_the_budget_the
     memory model at T, the gc_ratio budget at N (GC's peak without the layout), so the layout's saving
     is spent on keeping units."""
     _, rt, _, tokens, costs = tiny
-    keep = {u.name: "keep" for u in costs.units}
+    keep = {u.name: KEEP for u in costs.units}
     ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.1))
     with pytest.raises(ValueError, match="fewer tokens than its layers compute"):
         ctl.begin_mini_batch([0.0], [tokens], row_tokens=[tokens - 1])

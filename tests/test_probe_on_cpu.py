@@ -11,6 +11,7 @@ from hilore_verl.bench.workload import BenchConfig, build_model, forward_context
 from hilore_verl.planner import CostTable, UnitProfile, profile
 from hilore_verl.planner.profiling import quadratic_share
 from hilore_verl.planner.probe import MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound
+from hilore_verl.runtime import UnitPlan
 from hilore_verl.runtime.saving import is_parameter_like
 
 
@@ -220,7 +221,7 @@ def test_a_standalone_calls_saved_inputs_are_its_units_and_fixed_memory_in_the_p
     assert costs.unmanaged_bytes >= logits_view  # fixed memory
     ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 2.0))
     for plan_mode in ("keep", "recompute", "int8"):
-        plan = {u.name: plan_mode for u in costs.units}
+        plan = {u.name: UnitPlan.parse(plan_mode) for u in costs.units}
         rt.set_plan(ctl.runtime_plan(plan))
         step(model, rt.call)
         stats = rt.stats()

@@ -13,7 +13,7 @@ from hilore_verl.planner import profiling as costs
 from hilore_verl.planner.profiling import fixed_share, quadratic_share, sample_bytes
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.units import unit_kind
+from hilore_verl.units import name_in_layer
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 from tests.harness.models import response_log_probs
 
@@ -179,7 +179,7 @@ def test_a_fixed_per_call_time_is_not_scaled_with_tokens():
     assert slope == pytest.approx(per_token, rel=1e-9)  # the per-token slope recovered
     linear = table.grow(unit.forward_s, 0.0, 16384)  # the probe's time per token, overhead included
     assert linear / t(16384) > 1.5
-    recompute = next(o for o in table.options(unit, 16384) if o.name == "recompute")
+    recompute = next(o for o in table.options(unit, 16384) if o.plan == "recompute")
     assert recompute.time == pytest.approx(t(16384), rel=1e-9)
 
 
@@ -219,8 +219,8 @@ def _affine_profile(monkeypatch, noisy: bool = False):
     unit kind (as the profile's figures are); `noisy`: the first of the probe's timed runs 30% slow."""
     rt, run, tokens = _tiny_runs()
     small_run, small_tokens = (lambda: run()), tokens // 2
-    kinds = sorted({u.group or unit_kind(u.name) for u in rt.units})
-    slope = {u.name: (1 + kinds.index(u.group or unit_kind(u.name))) * 1e-8 for u in rt.units}
+    kinds = sorted({u.group or name_in_layer(u.name) for u in rt.units})
+    slope = {u.name: (1 + kinds.index(u.group or name_in_layer(u.name))) * 1e-8 for u in rt.units}
     real, calls = costs._unit_times, []
 
     def affine(runtime, fn, clock):

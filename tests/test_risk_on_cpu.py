@@ -69,7 +69,7 @@ def test_zero_exposure_means_zero_risk(calibrated):
     _, _, units, risk = calibrated
     assert risk.predict({u: "int4" for u in units}, 0.0) == 0.0
     assert risk.predict({u: "keep" for u in units}, 1.0) == risk.predict({u: "recompute" for u in units}, 1.0) == 0
-    assert risk.predict_relative({"head": "int8"}) > 0
+    assert risk.predict({"head": "int8"}, 1.0) > 0
 
 
 def test_audit_catches_an_injected_bad_codec_and_tightens(calibrated, monkeypatch):

@@ -310,7 +310,7 @@ def test_stochastic_rounding_in_a_plan_is_reproducible_from_the_seed():
     _, grads0 = policy_gradient_step(ref)
     cos, _ = cosine_and_rel_error(runs[0], grads0)
     assert cos >= 0.99
-    assert rt.stats().units["layers.0.mlp.act"].mode == "int4/g64+sr"
+    assert rt.stats().units["layers.0.mlp.act"].mode == "int4+sr"
 
 
 @pytest.mark.parametrize("plan", [{"layers": "keep"}, {"layers": "recompute"}, {"layers": "int8"},
@@ -371,3 +371,35 @@ def test_runtime_config_checks_its_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         hilore_verl.RuntimeConfig(**kwargs)
     assert hilore_verl.RuntimeConfig(min_bytes=0, seed=-3).min_bytes == 0
+
+
+def test_a_unit_plan_has_one_spelling_that_parses_back_and_compares_equal():
+    import itertools
+
+    from hilore_verl.kernels import FORMATS, GROUP_SIZES
+    from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, UnitPlan
+
+    plans = [KEEP, RECOMPUTE] + [UnitPlan(Mode.COMPRESS, fmt=f, group_size=g, offload=o, stochastic=s)
+                                 for f, g, o, s in itertools.product(FORMATS, GROUP_SIZES, (False, True), (False, True))]
+    spellings = [str(p) for p in plans]
+    assert len(set(spellings)) == len(plans)  # one spelling each, none shared
+    for plan, spelled in zip(plans, spellings):
+        assert UnitPlan.parse(spelled) == plan and plan == spelled and hash(plan) == hash(spelled)
+        assert f"{plan:>14}" == f"{spelled:>14}"
+    assert str(UnitPlan(Mode.COMPRESS, fmt="int8")) == "int8"  # the default group size is left out
+    assert str(UnitPlan(Mode.COMPRESS, fmt="int4", group_size=128, offload=True, stochastic=True)) == "int4/g128+sr+offload"
+    assert {KEEP: 1}["keep"] == 1 and KEEP != RECOMPUTE and KEEP != "int8" and KEEP != 3
+    for other in ("int8/g64", "int8+offload+sr", "int8+sr+sr", "int8/g", "int9", "keep+offload", ""):
+        with pytest.raises(ValueError, match="unknown mode"):
+            UnitPlan.parse(other)
+
+
+def test_the_planner_options_carry_unit_plans_at_the_tables_group_size():
+    from hilore_verl.planner import CostTable, UnitProfile
+    from hilore_verl.runtime import KEEP, RECOMPUTE, UnitPlan
+
+    unit = UnitProfile("layers.0.mlp.act", 1e6, 1e5, 1e-3)
+    table = CostTable([unit], tokens=256, unmanaged_bytes=0.0, group_size=128, offload=True, formats=("int8",))
+    plans = [o.plan for o in table.options(unit, 256)]
+    assert plans == [KEEP, RECOMPUTE, UnitPlan.parse("int8/g128"), UnitPlan.parse("int8/g128+offload")]
+    assert all(isinstance(p, UnitPlan) for p in plans)

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 
 from hilore_verl.planner import Controller
 from hilore_verl.planner.ranking import ranked_plans
+from hilore_verl.runtime import UnitPlan
 
 
 @dataclass
 class FixedPlan(Controller):
     """A controller whose every micro-batch gets `fixed` (its memory model and metrics as any other's)."""
-    fixed: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, UnitPlan] = field(default_factory=dict)
 
-    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, str], bool]:
+    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
         return dict(self.fixed), False
 
 

@@ -25,6 +25,7 @@ import torch
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.candidates import candidate_controllers
 from hilore_verl.bench.peak import FIRST_STEP
+from hilore_verl.bench.session_passes import plan_counts
 from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, save_json,  # noqa: F401 - re-exported
                                       save_markdown, summarize, table)
 from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
@@ -32,6 +33,7 @@ from hilore_verl.bench.stats import mean_ci, paired_ratio_ci
 from hilore_verl.bench.workload import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.planner import BudgetConfig, Controller
+from hilore_verl.runtime import KEEP, UnitPlan
 
 SWEEP = (1.0, 1.1, 1.25, 1.5)  # x the full-GC peak; plus the no-GC peak
 MAX_STATIC_SHARE = 0.60  # of GC's peak, as on a GPU running GC
@@ -140,7 +142,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             results[name]["skipped_token_share"] = method.skipped_token_share
         if method.controller is not None:
             c, trained = method.controller, timer.trained[name]  # budgets at what it forwards
-            results[name].update(plan=dict(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
+            results[name].update(plan=_spelled(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
                                  predicted_step_s=statistics.fmean(timer.predicted[name]),
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
@@ -154,9 +156,9 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             row = {"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
                    **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
                    "predicted_step_s": statistics.fmean(timer.predicted[key]),
-                   "ci_reached": st.reached, "plan_counts": _counts(last.plan)}
+                   "ci_reached": st.reached, "plan_counts": plan_counts(last.plan)}
             if len(key) > 2:  # a runner-up of HiLoRe's plan at this budget
-                row.update(candidate=key[2], plan=dict(last.plan))
+                row.update(candidate=key[2], plan=_spelled(last.plan))
             else:
                 row.update(_against_runner_ups(st.times, key))
             sweep_rows.append(row)
@@ -266,7 +268,12 @@ def _refuse_if_resident_copies_do_not_fit(config: BenchConfig, methods) -> None:
                               "--methods, or run `hilore-verl gpu-check`, which runs each method in its own process")
 
 
-def _all(controller: Controller, choice: str) -> dict[str, str]:
+def _spelled(plan: dict[str, UnitPlan]) -> dict[str, str]:
+    """A plan as the report writes it: each unit's plan spelled (`str(UnitPlan)`)."""
+    return {unit: str(p) for unit, p in plan.items()}
+
+
+def _all(controller: Controller, choice: UnitPlan) -> dict[str, UnitPlan]:
     return {u.name: choice for u in controller.costs.units}
 
 
@@ -275,7 +282,7 @@ def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
     or "no_gc", the predicted peak of keeping every unit at the tokens it forwards."""
     base = method.controller
     if ratio == "no_gc":
-        budget = BudgetConfig("gib", base.predicted_peak(_all(base, "keep"), method.layer_tokens(batch)) / 2**30)
+        budget = BudgetConfig("gib", base.predicted_peak(_all(base, KEEP), method.layer_tokens(batch)) / 2**30)
     else:
         budget = BudgetConfig("gc_ratio", float(ratio))
     return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
@@ -304,9 +311,3 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
     return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024,
             "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"]}
 
-
-def _counts(plan: dict[str, str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for choice in plan.values():
-        counts[choice] = counts.get(choice, 0) + 1
-    return counts

@@ -22,6 +22,7 @@ from hilore_verl import host_memory
 from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, layer_tokens, loss_of, make_optimizer,
                                         probe_batch, static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
+from hilore_verl.runtime import RECOMPUTE, UnitPlan
 from hilore_verl.session import Session
 
 
@@ -151,23 +152,17 @@ class SessionMethod:
         plan = controller.history[-1].plan
         costs = controller.costs
 
-        def extra(choice_of) -> float:
-            total = 0.0
-            for unit in costs.units:
-                options = {o.name: o for o in costs.options(unit, tokens)}
-                total += options[choice_of(unit.name)].time
-            return total
-
         return {"predicted_peak_bytes": controller.history[-1].predicted_peak,
                 "gc_predicted_peak_bytes": controller.predicted_peak(controller.gc_plan(), tokens),
-                "predicted_extra_s": extra(lambda n: plan[n]),
-                "gc_predicted_extra_s": extra(lambda n: "recompute"),
-                "plan_counts": _counts(plan)}
+                "predicted_extra_s": costs.seconds(plan, tokens),
+                "gc_predicted_extra_s": costs.seconds({u.name: RECOMPUTE for u in costs.units}, tokens),
+                "plan_counts": plan_counts(plan)}
 
 
-def _counts(plan: dict[str, str]) -> dict[str, int]:
+def plan_counts(plan: dict[str, UnitPlan]) -> dict[str, int]:
+    """Units per spelled plan ("keep", "int8+offload", ...), as reports show a plan."""
     counts: dict[str, int] = {}
-    for choice in plan.values():
+    for choice in map(str, plan.values()):
         counts[choice] = counts.get(choice, 0) + 1
     return counts
 

@@ -50,7 +50,7 @@ from hilore_verl.planner.costs import CostTable, UnitProfile, layer_of
 from hilore_verl.planner.refine import refine
 from hilore_verl.planner.solver import Infeasible, solve
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
-from hilore_verl.runtime import Mode, Runtime, UnitPlan
+from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 
 
 MIN_PEAK_FACTOR = 0.5  # the measured-peak feedback plans under at least half the budget
@@ -61,7 +61,7 @@ Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # 
 
 @dataclass
 class PlanRecord:
-    plan: dict[str, str]
+    plan: dict[str, UnitPlan]
     predicted_peak: float
     predicted_risk: float
     risk_allowance: float
@@ -89,11 +89,11 @@ class Controller:
     def __post_init__(self):
         self.gc_peak = self.predicted_peak(self.gc_plan(), self.costs.tokens)
         self.memory_budget = self.budget.resolve(self.gc_peak, self.free_bytes)
-        least = self.predicted_peak({u.name: "recompute" for u in self.costs.units}, self.costs.tokens)
+        least = self.predicted_peak(self._all(RECOMPUTE), self.costs.tokens)
         if self.memory_budget < least:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
                              f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
-        self._cache: dict[tuple, tuple[dict[str, str], bool]] = {}  # key -> (plan, whether the arm chose it)
+        self._cache: dict[tuple, tuple[dict[str, UnitPlan], bool]] = {}  # key -> (plan, whether the arm chose it)
         self._micro: list[tuple[float, int, int]] = []  # per micro-batch: (exposure, T, N) (module docstring)
         self._predicted_peaks: list[float] = []  # this mini-batch's plans' predicted peaks, for end_mini_batch
         self.measured: tuple[float, float] | None = None  # the last mini-batch's (measured, predicted) peak
@@ -108,16 +108,16 @@ class Controller:
         return self.oom_factor * self.peak_factor
 
     # ------------------------------------------------------------------ memory model
-    def predicted_peak(self, plan: dict[str, str], tokens: int) -> float:
+    def predicted_peak(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
 
-    def gc_plan(self) -> dict[str, str]:
+    def gc_plan(self) -> dict[str, UnitPlan]:
         """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
         the runtime took over (verl's GC: each checkpointed layer recomputed, the head and anything
         outside the layers kept), or every unit recomputed where the model had no checkpointing (or no
         runtime is attached, as in what-if planning)."""
         checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
-        return checkpoint if checkpoint is not None else {u.name: "recompute" for u in self.costs.units}
+        return checkpoint if checkpoint is not None else self._all(RECOMPUTE)
 
     def memory_budget_at(self, tokens: int) -> float:
         """gc_ratio budgets follow GC's peak (`gc_plan`) at the micro-batch size; gib / auto are fixed."""
@@ -168,7 +168,7 @@ class Controller:
         """Micro-batch `index`'s (tokens its layers compute, tokens of its packed row), as planned."""
         return self._micro[index][1], self._micro[index][2]
 
-    def plan_micro_batch(self, index: int) -> dict[str, str]:
+    def plan_micro_batch(self, index: int) -> dict[str, UnitPlan]:
         """Solve (or reuse) the plan for one local micro-batch; the caller applies it (`runtime_plan`)."""
         l2, tokens, row = self._micro[index]  # global figures: the same on every rank
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
@@ -177,7 +177,7 @@ class Controller:
         key = (bucket, round(tokens / row, 2), round(l2 / allowance, 2) if allowance > 0 else
                (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
-        keep = {u.name: "keep" for u in self.costs.units}
+        keep = self._all(KEEP)
         # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
         fits_kept = self.predicted_peak(keep, tokens) <= self.limit(row)
         cached = (keep, False) if fits_kept else self._cache.get(key)
@@ -204,26 +204,26 @@ class Controller:
         return plan
 
     def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
-                 exclude: tuple[str, str] | None = None, row: int | None = None) -> dict[str, str]:
+                 exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
         """The plan for one micro-batch of `tokens` tokens (`row`: its ordinary packed row's, module
         docstring), without handing it to a runtime (what-if planning; allowance 0 or no risk model:
         keep / recompute only). `exclude`: (unit, option) the plan may not use (the best plan without
         it: the runner-up, planner/ranking.py)."""
         return self._solve(exposure_l2, tokens, allowance, exclude, row)
 
-    def runtime_plan(self, plan: dict[str, str]) -> dict[str, UnitPlan]:
-        """Option names ("int8+offload", ...) as the runtime's UnitPlans (the cost table's group size;
-        stochastic rounding when the controller was built with `stochastic=True`)."""
-        return {unit: self._unit_plan(choice) for unit, choice in plan.items()}
+    def runtime_plan(self, plan: dict[str, UnitPlan]) -> dict[str, UnitPlan]:
+        """`plan` as the runtime runs it: compressed units round stochastically when the controller was
+        built with `stochastic=True` (the cost table prices a format the same either way)."""
+        return {unit: self._as_run(p) for unit, p in plan.items()}
 
-    def _unit_plan(self, choice: str) -> UnitPlan:
-        fmt, _, offload = choice.partition("+")
-        if fmt in ("keep", "recompute"):
-            return UnitPlan.parse(fmt)
-        return UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.costs.group_size, offload=bool(offload),
-                        stochastic=self.stochastic)
+    def _as_run(self, plan: UnitPlan) -> UnitPlan:
+        return dataclasses.replace(plan, stochastic=True) if self.stochastic and not plan.exact else plan
 
-    def held_bytes(self, plan: dict[str, str], tokens: int) -> float:
+    def _all(self, plan: UnitPlan) -> dict[str, UnitPlan]:
+        """`plan` for every unit."""
+        return {u.name: plan for u in self.costs.units}
+
+    def held_bytes(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """Predicted bytes held at the end of the forward: the plan's units plus unmanaged state."""
         held = self.costs.held(plan, tokens)
         k = self.costs.scale(tokens)
@@ -231,21 +231,21 @@ class Controller:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
         return held + self.costs.unmanaged(tokens)
 
-    def plan_seconds(self, plan: dict[str, str], tokens: int) -> float:
+    def plan_seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
         return self.costs.seconds(plan, tokens)
 
     # ------------------------------------------------------------------ read-only: a plan's predicted step time
-    def predicted_step_seconds(self, plan: dict[str, str], tokens: int) -> float:
+    def predicted_step_seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """One forward + backward under `plan` at `tokens`, as the cost model prices it (`CostTable.pass_seconds`:
         the probe's measured pass) and, unless the plan runs hands-off (every unit kept, or the model's own
         checkpointing), the runtime's measured overhead. No optimizer step."""
-        hands_off = [{u.name: "keep" for u in self.costs.units},
+        hands_off = [self._all(KEEP),
                      self.runtime.checkpoint_plan() if self.runtime is not None else None]
         overhead = 0.0 if plan in hands_off else self.costs.runtime_overhead_s
         return self.costs.pass_seconds(plan, tokens) + overhead
 
-    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, str], bool]:
+    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
@@ -253,7 +253,7 @@ class Controller:
         plan = self._solve(l2, tokens, allowance, row=row)
         if self.runtime is None:  # what-if planning: nothing runs
             return plan, False
-        baselines = [{u.name: "keep" for u in self.costs.units}]
+        baselines = [self._all(KEEP)]
         checkpoint = self.runtime.checkpoint_plan()
         baselines += [checkpoint] if checkpoint is not None else []
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
@@ -270,12 +270,12 @@ class Controller:
             return plan, False
         return (baseline if self.arms.arm == "baseline" else plan), True
 
-    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, str] | None = None,
-               row: int | None = None) -> dict[str, str]:
+    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
+               row: int | None = None) -> dict[str, UnitPlan]:
         risk = None
         if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
-            risk = lambda unit, fmt: self.risk.unit_risk(unit, self._unit_plan(fmt), l2)  # noqa: E731
-        options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.name) != exclude]
+            risk = lambda unit, plan: self.risk.unit_risk(unit, self._as_run(plan), l2)  # noqa: E731
+        options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
                    for u in self.costs.units]
         if self.risk is None:  # nothing calibrated: lossy modes are not allowed
             allowance = 0.0
@@ -290,14 +290,14 @@ class Controller:
         fitting, surcharge, failure = [], {}, None
         for _ in range(MAX_RESOLVES):
             priced = [[dataclasses.replace(o, memory=o.memory + surcharge[u.name])
-                       if o.name == "recompute" and u.name in surcharge else o for o in opts]
+                       if o.plan == RECOMPUTE and u.name in surcharge else o for o in opts]
                       for u, opts in zip(self.costs.units, options)]
             try:
                 solution = solve(priced, budget, allowance)
             except Infeasible as err:  # priced one by one, a whole recomputed layer can look too dear
                 failure = err
                 break
-            plan = {u.name: options[i][k].name for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
+            plan = {u.name: options[i][k].plan for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
             fits = self.predicted_peak(plan, tokens) <= limit
             if fits:
                 if plan in fitting:
@@ -306,11 +306,11 @@ class Controller:
             _, regions = self.costs.held_by_layer(plan, tokens)
             for layer, extra in regions.items():
                 units = [u.name for u in self.costs.units if layer_of(u.name) == layer]
-                recomputed = sum(plan[n] == "recompute" for n in units)
+                recomputed = sum(plan[n] == RECOMPUTE for n in units)
                 for n in units:  # a plan that fits prices its layers as they are; one that does not, dearer
                     share = extra / max(recomputed, 1)
                     surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
-        bounds = [self.gc_plan(), {u.name: "recompute" for u in self.costs.units}]
+        bounds = [self.gc_plan(), self._all(RECOMPUTE)]
         fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
         if not fitting:
             if exclude is not None or self.memory_factor >= 1.0:
@@ -324,7 +324,7 @@ class Controller:
         return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
 
     @staticmethod
-    def _allowed(plan: dict[str, str], exclude: tuple[str, str] | None) -> bool:
+    def _allowed(plan: dict[str, UnitPlan], exclude: tuple[str, UnitPlan] | None) -> bool:
         return exclude is None or plan.get(exclude[0]) != exclude[1]
 
     def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
@@ -334,7 +334,7 @@ class Controller:
         if not self.history or self.risk is None:
             return
         record = self.history[-1]
-        if all(choice in ("keep", "recompute") for choice in record.plan.values()):
+        if all(p.exact for p in record.plan.values()):
             record.spent_risk = 0.0  # an exact plan spends nothing, whatever the exposure: nothing to compute
         elif isinstance(exposure_l2_exact, (int, float)):
             self._record_spent(record, float(exposure_l2_exact))
@@ -460,8 +460,8 @@ class Controller:
             return {}
         last = self.history[-1]
         counts: dict[str, int] = {}
-        for choice in last.plan.values():
-            mode = choice.split("+")[0]
+        for p in last.plan.values():
+            mode = p.fmt or p.mode.value
             counts[mode] = counts.get(mode, 0) + 1
         out = {f"hilore/plan/units_{m}": float(n) for m, n in counts.items()}
         out.update(self.arms.metrics())

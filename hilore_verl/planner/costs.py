@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 from hilore_verl.kernels import FORMATS, payload_ratio
 from hilore_verl.planner.solver import Option
+from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, UnitPlan
 
 @dataclass
 class UnitProfile:
@@ -85,11 +86,11 @@ class CostTable:
         """A unit's forward time at `tokens` (what recomputing it costs)."""
         return self.grow(unit.forward_s, unit.forward_quadratic, tokens, unit.forward_fixed)
 
-    def seconds(self, plan: dict[str, str], tokens: int) -> float:
+    def seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """What `plan` adds to a pass with every unit kept at `tokens`: recompute, codecs, copies."""
-        return sum(next(o.time for o in self.options(u, tokens) if o.name == plan[u.name]) for u in self.units)
+        return sum(next(o.time for o in self.options(u, tokens) if o.plan == plan[u.name]) for u in self.units)
 
-    def pass_seconds(self, plan: dict[str, str], tokens: int) -> float:
+    def pass_seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """One forward + backward under `plan` at `tokens`, run hands-off: the measured kept pass grown as
         the units' forward time grows (or, not measured, every unit's forward x 3: backward at twice the
         forward), plus what the plan adds (`seconds`)."""
@@ -103,25 +104,28 @@ class CostTable:
     def unmanaged(self, tokens: int) -> float:
         return self.grow(self.unmanaged_bytes, self.unmanaged_quadratic, tokens)
 
-    def options(self, unit: UnitProfile, tokens: int, risk: Callable[[str, str], float] | None = None) -> list[Option]:
-        """keep, recompute, then each format (and its offloaded variant when enabled)."""
+    def options(self, unit: UnitProfile, tokens: int,
+                risk: Callable[[str, UnitPlan], float] | None = None) -> list[Option]:
+        """keep, recompute, then each format (and its offloaded variant when enabled), at the table's group size."""
         S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
         H = unit.held_bytes * self.scale(tokens)  # its own inputs; its layer's region: `held`
         F = self.forward(unit, tokens)
-        opts = [Option("keep", S, 0.0), Option("recompute", H, F)]
+        opts = [Option(KEEP, S, 0.0), Option(RECOMPUTE, H, F)]
         if S > 0:
             for fmt in self.formats:
-                r = risk(unit.name, fmt) if risk else math.inf  # no risk model: lossy is never free
+                plan = UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.group_size)
+                r = risk(unit.name, plan) if risk else math.inf  # no risk model: lossy is never free
                 c = unit.compressible
                 codes = S * c * payload_ratio(fmt, self.element_size, self.group_size)
                 exact = S * (1 - c)  # kept exact on the device (e.g. -inf masks), offloaded or not
                 codec_s = 2 * S / self.codec_bytes_per_s
-                opts.append(Option(fmt, codes + exact, codec_s, r))
-                if self.offload:
-                    opts.append(Option(fmt + "+offload", exact, codec_s + 2 * codes / self.host_bytes_per_s, r))
+                opts.append(Option(plan, codes + exact, codec_s, r))
+                if self.offload:  # offload does not change the error
+                    opts.append(Option(dataclasses.replace(plan, offload=True), exact,
+                                       codec_s + 2 * codes / self.host_bytes_per_s, r))
         return opts
 
-    def held(self, plan: dict[str, str], tokens: int) -> float:
+    def held(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """Bytes the plan's units hold at the end of the forward. A layer with recomputed units R is one
         region: each holds its own inputs, and the layer holds what the re-run replays, once each: a
         kept or compressed unit v's outputs if some u in R needed them alone (replay[v], the largest
@@ -131,22 +135,22 @@ class CostTable:
         held, regions = self.held_by_layer(plan, tokens)
         return held + sum(regions.values())
 
-    def held_by_layer(self, plan: dict[str, str], tokens: int) -> tuple[float, dict[str, float]]:
+    def held_by_layer(self, plan: dict[str, UnitPlan], tokens: int) -> tuple[float, dict[str, float]]:
         """`held` in two parts: what the units' options hold (a recomputed unit: its own inputs), and per
         layer with recomputed units what it holds more as one region (`region_bytes`)."""
         k, held = self.scale(tokens), 0.0
         share: dict[str, float] = {}  # unit -> what its plan holds of its saves, per saved byte
         layers: dict[str, list[UnitProfile]] = {}
         for unit in self.units:
-            choice = plan.get(unit.name, "keep")
+            choice = plan.get(unit.name, KEEP)
             layers.setdefault(layer_of(unit.name), []).append(unit)
-            if choice == "recompute":
+            if choice == RECOMPUTE:
                 held += unit.held_bytes * k
                 continue
-            options = {o.name: o for o in self.options(unit, tokens)}
-            option = options.get(choice, options["keep"])  # a unit with nothing saved has no lossy option
+            options = {o.plan: o for o in self.options(unit, tokens)}
+            option = options.get(choice, options[KEEP])  # a unit with nothing saved has no lossy option
             held += option.memory
-            share[unit.name] = self.stored_share(unit, choice, options["keep"].memory, option.memory)
+            share[unit.name] = self.stored_share(unit, choice, options[KEEP].memory, option.memory)
         return held, {layer: self.region_bytes(members, share, k) for layer, members in layers.items()
                       if any(u.name not in share for u in members)}
 
@@ -173,16 +177,15 @@ class CostTable:
             inputs = max(inputs, owner.replay.get("", 0.0) * (1.0 - share[owner.name]))
         return (held + inputs) * k
 
-    def stored_share(self, unit: UnitProfile, choice: str, kept: float, memory: float) -> float:
+    def stored_share(self, unit: UnitProfile, choice: UnitPlan, kept: float, memory: float) -> float:
         """What a unit's plan holds of a byte it keeps: its option's share of its saved bytes, or for a unit
         that saves nothing itself (its outputs are held only for a re-run) the format's payload ratio."""
         if kept > 0:
             return memory / kept
-        fmt, _, offload = choice.partition("+")
-        if fmt not in FORMATS:
+        if choice.exact:
             return 1.0
-        return (1 - unit.compressible) + (0.0 if offload else unit.compressible * payload_ratio(
-            fmt, self.element_size, self.group_size))
+        return (1 - unit.compressible) + (0.0 if choice.offload else unit.compressible * payload_ratio(
+            choice.fmt, self.element_size, choice.group_size))
 
     def transient(self, tokens: int) -> float:
         """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""

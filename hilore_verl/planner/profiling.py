@@ -13,9 +13,9 @@ import torch
 
 from hilore_verl.kernels import payload_ratio, quantize
 from hilore_verl.planner.costs import CostTable, UnitProfile
-from hilore_verl.runtime import Runtime
+from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
-from hilore_verl.units import unit_kind
+from hilore_verl.units import name_in_layer
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 
 
@@ -223,7 +223,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
     clock = DeviceClock(device)
-    group = {u.name: u.group or unit_kind(u.name) for u in runtime.units}
+    group = {u.name: u.group or name_in_layer(u.name) for u in runtime.units}
     # one probed layer per layer variant (its units' groups): the middle one of the layers of that variant
     by_variant: dict[tuple, list[int]] = {}
     for index in sorted({u.layer_index for u in runtime.units if u.layer_index is not None}):
@@ -232,7 +232,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     probed_layers = {found[len(found) // 2]: len(found) for found in by_variant.values()}  # layer -> layers like it
     probed = [u for u in runtime.units if u.layer_index in probed_layers]
     heads = [u for u in runtime.units if u.layer_index is None]
-    gc_plan = {u.name: "recompute" for u in runtime.units if u.layer_index is not None}
+    gc_plan = {u.name: RECOMPUTE for u in runtime.units if u.layer_index is not None}
 
     # every probe times each unit's forward; a unit's time is its fastest (the least disturbed)
     times: dict[str, float] = {u.name: math.inf for u in runtime.units}
@@ -252,7 +252,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         return runtime.stats()
 
     def kept(layer: int) -> dict:
-        return {u.name: "keep" for u in probed if u.layer_index == layer}
+        return {u.name: KEEP for u in probed if u.layer_index == layer}
 
     held: dict[str, float] = {}
     replay: dict[str, dict[str, float]] = {}
@@ -262,9 +262,9 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         if small is not None:
             small_whole = probe({}, small_probe=True)
             small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
-        int8 = probe({u.name: "int8" for u in probed + heads})
+        int8 = probe({u.name: UnitPlan(Mode.COMPRESS, fmt="int8") for u in probed + heads})
         for u in probed:
-            stats = probe({**kept(u.layer_index), u.name: "recompute"})
+            stats = probe({**kept(u.layer_index), u.name: RECOMPUTE})
             held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
             # what its layer holds more for it, by holder: the kept calls' outputs it replays, its inputs
             keep = keeps[u.layer_index]
@@ -274,7 +274,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                                      for v in probed if v.layer_index == u.layer_index and v is not u}
             replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
         for h in heads:  # what the model holds more with the head recomputed than with it kept, under GC
-            stats = probe({h.name: "recompute"})
+            stats = probe({h.name: RECOMPUTE})
             held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
         overhead, hands_off = runtime_overhead(runtime, run, clock)
     finally:
@@ -319,7 +319,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     saving = 0.0
     if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
         table = CostTable(units, tokens, unmanaged, element_size)
-        gc_costs = {u.name: "recompute" if u.name in gc_plan else "keep" for u in units}
+        gc_costs = {u.name: RECOMPUTE if u.name in gc_plan else KEEP for u in units}
         saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
@@ -330,7 +330,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                       unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
     # the kept pass: a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
     measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(gc_passes), gc_plan)
-    table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, "keep") for u in units}, tokens), 0.0)
+    table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, KEEP) for u in units}, tokens), 0.0)
     return table
 
 

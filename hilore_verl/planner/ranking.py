@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from hilore_verl.planner.controller import Controller
 from hilore_verl.planner.solver import Infeasible
+from hilore_verl.runtime.plan import UnitPlan
 
 
 def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l2: float = 0.0,
-                 allowance: float = 0.0) -> list[dict[str, str]]:
+                 allowance: float = 0.0) -> list[dict[str, UnitPlan]]:
     """Up to `count` distinct plans that fit the budget at `tokens`: the solver's, then its runner-ups by
     predicted step time (`Controller.predicted_step_seconds`), and the exact (keep / recompute) plan if
     it is not among them (so at most count + 1)."""
@@ -36,5 +37,5 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
     return ranked
 
 
-def _key(plan: dict[str, str]) -> tuple:
+def _key(plan: dict[str, UnitPlan]) -> tuple:
     return tuple(sorted(plan.items()))

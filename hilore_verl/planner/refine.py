@@ -11,21 +11,22 @@ from __future__ import annotations
 
 from hilore_verl.planner.costs import CostTable, layer_of
 from hilore_verl.planner.solver import Option
+from hilore_verl.runtime.plan import RECOMPUTE, UnitPlan
 
 MAX_MOVES = 1000  # a bound on the loop; each move saves time, so it ends long before on real plans
 
 
-def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, str], tokens: int, room: float,
-           risk2_budget: float) -> dict[str, str]:
+def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPlan], tokens: int, room: float,
+           risk2_budget: float) -> dict[str, UnitPlan]:
     """`options`: per unit of `costs.units`, the solver's options; `room`: bytes the units may hold more
     than `plan` holds now under the model (the limit less the plan's predicted peak, >= 0)."""
     units = costs.units
     by_layer: dict[str, list[int]] = {}
     for i, u in enumerate(units):
         by_layer.setdefault(layer_of(u.name), []).append(i)
-    chosen = [next(k for k, o in enumerate(opts) if o.name == plan[u.name]) for u, opts in zip(units, options)]
+    chosen = [next(k for k, o in enumerate(opts) if o.plan == plan[u.name]) for u, opts in zip(units, options)]
     k = costs.scale(tokens)
-    kept = [costs.options(u, tokens)[0].memory for u in units]  # "keep" comes first
+    kept = [costs.options(u, tokens)[0].memory for u in units]  # KEEP comes first
     saving = costs.region_saving_bytes * k
 
     def layer_bytes(members: list[int], picks: dict[int, int]) -> float:
@@ -33,11 +34,11 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, str], 
         held, share = 0.0, {}
         for i in members:
             o = options[i][picks[i]]
-            if o.name == "recompute":
+            if o.plan == RECOMPUTE:
                 held += units[i].held_bytes * k
                 continue
             held += o.memory
-            share[units[i].name] = costs.stored_share(units[i], o.name, kept[i], o.memory)
+            share[units[i].name] = costs.stored_share(units[i], o.plan, kept[i], o.memory)
         if not units[members[0]].name.startswith("layers.") or len(share) == len(members):
             return held
         whole = not share
@@ -65,4 +66,4 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, str], 
             break
         _, i, j, more, more_risk = best
         chosen[i], room, risk2 = j, room - more, risk2 + more_risk
-    return {u.name: options[i][c].name for i, (u, c) in enumerate(zip(units, chosen))}
+    return {u.name: options[i][c].plan for i, (u, c) in enumerate(zip(units, chosen))}

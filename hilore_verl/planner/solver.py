@@ -18,14 +18,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 
 @dataclass(frozen=True)
 class Option:
-    name: str  # a plan value: "keep", "recompute", "int8", ...
+    plan: Any  # what the unit gets with this option (the planner's: a runtime UnitPlan)
     memory: float  # bytes held until backward (plus its transient share)
     time: float  # seconds this option costs over keeping (recompute forward, codec, transfer)
     risk: float = 0.0  # predicted gradient deviation

@@ -19,6 +19,7 @@ import torch
 from hilore_verl.planner.analytic import analytic_costs
 from hilore_verl.planner.budget import GIB, BudgetConfig
 from hilore_verl.planner.controller import Controller
+from hilore_verl.runtime.plan import KEEP, RECOMPUTE, UnitPlan
 
 
 @dataclass
@@ -33,7 +34,7 @@ class WhatIf:
     no_gc_peak_gib: float
     budget_gib: float
     peak_gib: float
-    plan: dict[str, str]
+    plan: dict[str, UnitPlan]
     unit_held_mib: dict[str, float]
     gc_extra_s: float
     plan_extra_s: float
@@ -45,7 +46,7 @@ class WhatIf:
         return (self.gc_extra_s - self.plan_extra_s) / (3 * self.forward_s + self.gc_extra_s)
 
     def table(self) -> str:
-        layers: dict[str, dict[str, str]] = {}
+        layers: dict[str, dict[str, UnitPlan]] = {}
         for unit, choice in self.plan.items():
             parts = unit.split(".")
             row, col = (f"layer {parts[1]}", ".".join(parts[2:])) if parts[0] == "layers" else (unit, unit)
@@ -60,7 +61,7 @@ class WhatIf:
                 lines.append(f"{row:>10} " + " ".join(f"{cols.get(k, '-'):>10}" for k in kinds))
         counts: dict[str, int] = {}
         for choice in self.plan.values():
-            counts[choice] = counts.get(choice, 0) + 1
+            counts[str(choice)] = counts.get(str(choice), 0) + 1
         lines += ["",
                   f"model {self.model}: {self.params / 1e9:.2f} B parameters, {self.tokens} tokens per micro-batch, "
                   f"{self.gpus} GPUs of {self.gpu_mem_gib:g} GiB",
@@ -100,10 +101,10 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
         raise ValueError(f"the budget {budget_bytes / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
                          f"of the device: lower --budget (e.g. gib:{gpu_mem_gib * 0.9:.0f} or auto:2)")
     plan = controller.plan_for(tokens, row=row)
-    options = {u.name: {o.name: o for o in costs.options(u, tokens)} for u in costs.units}
+    options = {u.name: {o.plan: o for o in costs.options(u, tokens)} for u in costs.units}
     chosen = {n: options[n][c] for n, c in plan.items()}
-    recompute = {n: options[n]["recompute"] for n in plan}
-    no_gc = controller.predicted_peak({n: "keep" for n in plan}, tokens)
+    recompute = {n: options[n][RECOMPUTE] for n in plan}
+    no_gc = controller.predicted_peak({n: KEEP for n in plan}, tokens)
     gc_peak = controller.predicted_peak(controller.gc_plan(), tokens)
     return WhatIf(model_name, tokens, gpus, gpu_mem_gib, params, static / GIB, gc_peak / GIB, no_gc / GIB,
                   budget_bytes / GIB, controller.predicted_peak(plan, tokens) / GIB, plan,
@@ -132,7 +133,7 @@ def shared_summary(plain: WhatIf, shared: WhatIf, prompt_len: int, response_len:
             f"instead of {plain.gc_peak_gib:.2f} GiB; predicted time saved against full GC without it: "
             f"{100 * gc_saved:.1f}% with full GC, {100 * plan_saved:.1f}% with the plan at its budget "
             f"({shared.budget_gib:.2f} GiB, GC's without the layout; this plan {shared.peak_gib:.2f} GiB, "
-            f"{sum(c == 'keep' for c in shared.plan.values())} of {len(shared.plan)} units kept)")
+            f"{sum(c == KEEP for c in shared.plan.values())} of {len(shared.plan)} units kept)")
 
 
 def parse_budget(text: str) -> BudgetConfig:

@@ -19,15 +19,22 @@ class Mode(str, enum.Enum):
 
 
 MODE_NAMES = ("keep", "recompute") + FORMATS  # the short strings a plan mapping may use
+DEFAULT_GROUP_SIZE = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class UnitPlan:
+    """What one recovery unit's saved tensors get. Its one spelling, `str(plan)`, is what logs, metrics
+    and reports show: "keep", "recompute", or the format with what differs from the defaults,
+    "int8", "int4/g128", "fp8+sr", "int8+offload" (group size, stochastic rounding, offload, in that
+    order). A UnitPlan equals, hashes and sorts as its spelling, as `Mode.KEEP == "keep"`: plans compare
+    with the names users write, and `UnitPlan.parse` reads every spelling back."""
+
     mode: Mode = Mode.KEEP
     """A Mode, or its string value ("keep" | "compress" | "recompute"), stored as the Mode."""
     fmt: str | None = None
     """Codec format for COMPRESS: "int8" | "fp8" | "int4"."""
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
     """Elements per quantization scale (COMPRESS)."""
     offload: bool = False
     """COMPRESS only: move the payload to host memory until backward."""
@@ -53,22 +60,62 @@ class UnitPlan:
         elif self.fmt is not None or self.offload or self.stochastic:
             raise ValueError(f"fmt, offload and stochastic apply to compressed units only, not to {self.mode.value!r}")
 
+    @property
+    def exact(self) -> bool:
+        """Keep and recompute give the exact gradient; compression does not."""
+        return self.mode != Mode.COMPRESS
+
     @staticmethod
     def parse(value: Union[str, "UnitPlan", Mode]) -> "UnitPlan":
+        """A UnitPlan from its spelling (`str(plan)`), a Mode other than COMPRESS, or a UnitPlan."""
         if isinstance(value, UnitPlan):
             return value
         if isinstance(value, Mode) and value != Mode.COMPRESS:
             return UnitPlan(value)
-        if isinstance(value, str) and value in FORMATS:
-            return UnitPlan(Mode.COMPRESS, fmt=value)
         if isinstance(value, str) and value in ("keep", "recompute"):
             return UnitPlan(Mode(value))
-        raise ValueError(f"unknown mode {value!r}; valid modes: {', '.join(MODE_NAMES)} (or a UnitPlan)")
+        if isinstance(value, str):
+            head, *flags = value.split("+")
+            fmt, _, group = head.partition("/g")
+            if fmt in FORMATS and set(flags) <= {"sr", "offload"} and len(set(flags)) == len(flags) \
+                    and (not group or group.isdigit()):
+                plan = UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=int(group) if group else DEFAULT_GROUP_SIZE,
+                                offload="offload" in flags, stochastic="sr" in flags)
+                if str(plan) == value:  # one spelling: flags in order, the default group size left out
+                    return plan
+        raise ValueError(f"unknown mode {value!r}; valid modes: {', '.join(MODE_NAMES)}, a format with "
+                         f"'/g<group size>', '+sr', '+offload' (e.g. 'int8/g128+sr+offload'), or a UnitPlan")
 
     def __str__(self) -> str:
         if self.mode != Mode.COMPRESS:
             return self.mode.value
-        return f"{self.fmt}/g{self.group_size}" + ("+sr" if self.stochastic else "") + ("+offload" if self.offload else "")
+        return (self.fmt + (f"/g{self.group_size}" if self.group_size != DEFAULT_GROUP_SIZE else "")
+                + ("+sr" if self.stochastic else "") + ("+offload" if self.offload else ""))
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __repr__(self) -> str:
+        return f"UnitPlan({str(self)!r})"
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, UnitPlan):
+            return str(self) == str(other)
+        if isinstance(other, str):  # a Mode too
+            return str(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __lt__(self, other) -> bool:  # sorted by spelling
+        if isinstance(other, (UnitPlan, str)):
+            return str(self) < str(other)
+        return NotImplemented
+
+
+KEEP = UnitPlan(Mode.KEEP)
+RECOMPUTE = UnitPlan(Mode.RECOMPUTE)
 
 
 PlanValue = Union[str, UnitPlan, Mode]

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
-from hilore_verl.runtime.plan import Mode, Plan, PlanValue, UnitPlan
+from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_like, rng_state
 from hilore_verl.runtime.records import (CallRecord, Dropped, LiveKeyMap, Region, WaitCount, map_tensors, storage_id,
                                          tensor_leaves)
@@ -135,17 +135,17 @@ class Runtime(SavedTensorHooks):
         self._plans = resolved
         checkpoint = self.checkpoint_plan()
         as_checkpoint = checkpoint is not None and all(
-            p.mode.value == checkpoint[u.name] for u, p in zip(self.units, resolved))
+            p == checkpoint[u.name] for u, p in zip(self.units, resolved))
         self._hands_off = not measure and (as_checkpoint or all(p.mode == Mode.KEEP for p in resolved))
         self._installed.checkpointing(not measure and as_checkpoint)
 
-    def checkpoint_plan(self) -> dict[str, str] | None:
+    def checkpoint_plan(self) -> dict[str, UnitPlan] | None:
         """The plan that is exactly HF gradient checkpointing as the model had it before `attach` (each unit
-        of a checkpointed layer "recompute", every other unit "keep"); None when no layer was checkpointed."""
+        of a checkpointed layer RECOMPUTE, every other unit KEEP); None when no layer was checkpointed."""
         checkpointed = {id(m) for m, _, _ in self._installed.gc_state}
         if not checkpointed:
             return None
-        return {u.name: "recompute" if u.block is not None and id(u.block) in checkpointed else "keep"
+        return {u.name: RECOMPUTE if u.block is not None and id(u.block) in checkpointed else KEEP
                 for u in self.units}
 
     def plan_of(self, name: str) -> UnitPlan:

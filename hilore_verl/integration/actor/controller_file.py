@@ -1,7 +1,7 @@
 """The controller state beside verl's checkpoint: `hilore_controller.json`, written by rank 0, read and
 validated by every rank (plain JSON, nothing executed; see planner/state.py for the format).
 
-A missing, malformed or foreign file, or the pickle earlier versions wrote, is not used: one warning
+A missing, malformed or foreign file is not used: one warning
 names the file and why, and the first step profiles and calibrates again. Ranks agree: if one rank
 cannot use the file, none does (they would otherwise disagree on profiling, which runs collectives).
 """
@@ -19,7 +19,6 @@ from hilore_verl.planner.state import MAX_STATE_BYTES, dump_state, load_state
 logger = logging.getLogger("hilore_verl")
 
 STATE_FILE = "hilore_controller.json"
-LEGACY_STATE_FILE = "hilore_controller.pt"  # pickled by earlier versions: never loaded (unpickling runs code)
 
 
 def write_controller_state(state: dict, local_path: str) -> None:
@@ -39,7 +38,6 @@ def write_controller_state(state: dict, local_path: str) -> None:
 def read_controller_state(local_path: str, unit_names: list[str] | None, group=None) -> dict | None:
     """The validated state, or None (after one warning naming the file and why)."""
     path = os.path.join(local_path, STATE_FILE)
-    legacy = os.path.join(local_path, LEGACY_STATE_FILE)
     state, problem = None, None
     if os.path.exists(path):
         try:
@@ -49,8 +47,6 @@ def read_controller_state(local_path: str, unit_names: list[str] | None, group=N
                 state = load_state(f.read(), unit_names)
         except (OSError, ValueError) as err:
             problem = f"{path} is not a usable controller state: {err}"
-    elif os.path.exists(legacy):
-        problem = f"{legacy} is a controller state in the old pickle format, which is not loaded (unpickling can run code)"
     else:
         problem = f"{local_path} has no controller state ({STATE_FILE})"
     if dist.is_initialized():

@@ -14,7 +14,7 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
     mini-batch started (queued on a side stream, overlapped with the passes) that undoes a fault inside it;
   - `prepare_model_outputs`: the log-prob computation over the vocabulary joins the head unit;
   - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint
-    (`hilore_controller.json`: plain JSON, validated on load; a bad or legacy pickled file re-profiles).
+    (`hilore_controller.json`: plain JSON, validated on load; a bad file re-profiles).
 
 `VerlPasses` is what the session asks of verl (forward + backward passes, loss coefficients);
 `collectives.py` holds the data-parallel reductions. This file decides nothing.

@@ -102,11 +102,6 @@ def loss_coefficients(log_prob, old_log_prob, advantages, response_mask, actor_c
     return c * response_mask.to(c.dtype)
 
 
-def predicted_coefficients(old_log_prob, advantages, response_mask, actor_config, **kwargs) -> torch.Tensor:
-    """Coefficients before the forward, at the on-policy point (log_prob = old_log_prob)."""
-    return loss_coefficients(old_log_prob, old_log_prob, advantages, response_mask, actor_config, **kwargs)
-
-
 def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
                         global_batch_info: Mapping[str, Any] | None = None) -> torch.Tensor:
     """w[b, t] = d agg_loss / d loss_mat[b, t]: how much one token's per-token loss counts (e.g. for entropy)."""
