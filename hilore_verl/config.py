@@ -7,15 +7,16 @@
       formats: [int8, fp8, int4]
 
 Every field is listed with its type, default, range and effect in docs/config.md. Unknown keys,
-wrong types and out-of-range values raise ValueError naming the key and what is valid.
+wrong types and out-of-range values raise ValueError naming the key and what is valid (checks.py:
+one check for every setting, here, in BudgetConfig, RuntimeConfig, UnitPlan and the saved state).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from hilore_verl import checks
 from hilore_verl.kernels import FORMATS, GROUP_SIZES
 from hilore_verl.planner.budget import MODES, BudgetConfig
 
@@ -98,33 +99,37 @@ class HiLoReConfig:
         return cls(**values)
 
     def __post_init__(self):
-        _check_type("enable", self.enable, bool)
-        _check_type("offload", self.offload, bool)
-        _check_type("stochastic_rounding", self.stochastic_rounding, bool)
-        _check_type("step_snapshot", self.step_snapshot, bool)
-        _check_type("skip_zero_exposure", self.skip_zero_exposure, bool)
-        _check_type("measure_baseline", self.measure_baseline, bool)
-        _check_type("shared_prompt", self.shared_prompt, bool)
-        _check_number("fault_timeout_s", self.fault_timeout_s, "> 0", lambda v: v > 0)
-        _check_number("risk_budget", self.risk_budget, ">= 0", lambda v: v >= 0)
-        _check_number("audit_tolerance", self.audit_tolerance, "> 1", lambda v: v > 1)
-        _check_int("min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
-        _check_int("audit_every", self.audit_every, ">= 0", lambda v: v >= 0)
-        _check_int("token_bucket", self.token_bucket, ">= 1", lambda v: v >= 1)
-        _check_int("profile_tokens", self.profile_tokens, ">= 0", lambda v: v >= 0)
-        _check_int("seed", self.seed, "any integer", lambda v: True)
-        _check_int("oom_retries", self.oom_retries, "in 0..10", lambda v: 0 <= v <= 10)
-        _check_int("group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                checks.flag(f"hilore.{f.name}", value)
+            elif f.name in RANGES:
+                kind, valid, ok = RANGES[f.name]
+                kind(f"hilore.{f.name}", value, valid, ok)
         object.__setattr__(self, "budget", _budget(self.budget))
         object.__setattr__(self, "formats", _formats(self.formats))  # a tuple is checked too
 
 
+RANGES = {  # every number of the section: its check, what is valid, the test
+    "risk_budget": (checks.number, ">= 0", lambda v: v >= 0),
+    "audit_tolerance": (checks.number, "> 1", lambda v: v > 1),
+    "fault_timeout_s": (checks.number, "> 0", lambda v: v > 0),
+    "min_bytes": (checks.integer, ">= 0", lambda v: v >= 0),
+    "audit_every": (checks.integer, ">= 0", lambda v: v >= 0),
+    "token_bucket": (checks.integer, ">= 1", lambda v: v >= 1),
+    "profile_tokens": (checks.integer, ">= 0", lambda v: v >= 0),
+    "seed": (checks.integer, "", lambda v: True),
+    "oom_retries": (checks.integer, "in 0..10", lambda v: 0 <= v <= 10),
+    "group_size": (checks.integer, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES),
+}
+
+
 def _plain(value):
     """OmegaConf containers (what hydra gives) as plain dicts and lists."""
-    if hasattr(value, "_metadata") and hasattr(value, "items"):  # DictConfig
-        return {k: _plain(v) for k, v in value.items()}
-    if hasattr(value, "_metadata"):  # ListConfig
-        return [_plain(v) for v in value]
+    if hasattr(value, "_metadata"):  # a DictConfig or ListConfig: omegaconf is installed
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     return value
@@ -145,8 +150,8 @@ def _budget(value) -> BudgetConfig:
                          "(gib: the budget in GiB, e.g. 40; auto: GiB of headroom, e.g. 2)")
     try:
         return BudgetConfig(**value)
-    except ValueError as err:
-        raise ValueError(f"hilore.budget: {err}") from None
+    except ValueError as err:  # "budget.value: ...": the key as the section spells it
+        raise ValueError(f"hilore.{err}") from None
 
 
 def _formats(value) -> tuple[str, ...]:
@@ -166,27 +171,3 @@ def _formats(value) -> tuple[str, ...]:
     if twice:
         raise ValueError(f"hilore.formats: {twice[0]!r} is listed twice; list each format once")
     return tuple(items)
-
-
-def _check_type(key, value, kind) -> None:
-    if not isinstance(value, kind):
-        raise ValueError(f"hilore.{key}: expected {kind.__name__}, got {value!r}")
-
-
-def _finite(value) -> bool:
-    """A float that is finite, or an int a float can hold (10**400 is not)."""
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
-
-
-def _check_number(key, value, valid, ok) -> None:
-    """int or float (never bool, never a str), finite, and in range."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or not ok(value):
-        raise ValueError(f"hilore.{key}: got {value!r}; valid: a finite number {valid}")
-
-
-def _check_int(key, value, valid, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"hilore.{key}: got {value!r}; valid: an integer {valid}")

@@ -10,6 +10,10 @@ The memory model predicts `static + what the update holds` (planner/controller.p
            state it started with. malloc may serve the update from memory it kept from an earlier
            one, so this can read low; it never reads the libraries and the interpreter.
 
+The resident size also moves with what the update does not own (malloc's arenas, Python objects,
+pages touched once): on the CPU an overshoot within `HOST_NOISE_BYTES` is not taken as the memory
+model's error (`PeakMeter.noise_bytes`; 0 on CUDA, whose figure counts tensors only).
+
 Where neither is available (another OS, /proc not writable) `PeakMeter.available` is False with the
 reason, and the session plans without the feedback (and says so once).
 """
@@ -21,6 +25,7 @@ import torch
 from hilore_verl import host_memory
 
 CLEAR_REFS = "/proc/self/clear_refs"
+HOST_NOISE_BYTES = 8 * 2**20
 
 
 class PeakMeter:
@@ -29,6 +34,7 @@ class PeakMeter:
     def __init__(self, cuda: bool | None = None):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized() if cuda is None else cuda
         self.why_not: str | None = None
+        self.noise_bytes = 0.0 if self.cuda else float(HOST_NOISE_BYTES)
         self._start: float | None = None
         if not self.cuda:
             try:

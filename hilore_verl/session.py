@@ -278,7 +278,7 @@ class Session:
         self._timed = None if first or self.retries else (start, clock.mark(), self._layer_tokens)
         peak = self._measured_peak()
         if not first and not self.retries:  # the first ran the probes; a retry's includes the failed attempt
-            self.controller.end_mini_batch(peak)
+            self.controller.end_mini_batch(peak, self._meter().noise_bytes)
         metrics = self.controller.metrics()
         metrics["hilore/oom_retries"] = float(self.retries)
         return out, metrics

@@ -24,12 +24,12 @@ def test_hydra_containers_are_accepted():
 
 @pytest.mark.parametrize("section, message", [
     ({"enabel": True}, "hilore.enabel: unknown key; valid keys: enable, budget"),
-    ({"enable": "yes"}, "hilore.enable: expected bool, got 'yes'"),
+    ({"enable": "yes"}, "hilore.enable: got 'yes'; valid: true or false"),
     ({"risk_budget": -0.1}, r"hilore.risk_budget: got -0.1; valid: a finite number >= 0"),
     ({"group_size": 48}, r"hilore.group_size: got 48; valid: an integer one of \(32, 64, 128\)"),
     ({"formats": ["int8", "int2"]}, "hilore.formats: unknown format 'int2'; valid: int8, fp8, int4"),
-    ({"budget": {"mode": "ratio", "value": 1.1}}, "hilore.budget: unknown budget mode 'ratio'"),
-    ({"budget": {"mode": "gib", "value": "big"}}, "hilore.budget: budget value must be a number"),
+    ({"budget": {"mode": "ratio", "value": 1.1}}, "hilore.budget.mode: unknown mode 'ratio'"),
+    ({"budget": {"mode": "gib", "value": "big"}}, "hilore.budget.value: got 'big'; valid: a finite number > 0"),
     ({"budget": {"mode": "gib", "valu": 3}}, "hilore.budget.valu: unknown key; valid keys: mode, value"),
     ({"budget": 1.1}, r"hilore.budget: expected \{mode: ..., value: ...\}"),
     ({"audit_every": 2.5}, r"hilore.audit_every: got 2.5; valid: an integer >= 0"),
@@ -45,10 +45,10 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget: budget value must be > 0 .* and finite, got nan"),
-    ({"budget": {"mode": "gc_ratio", "value": INF}}, "hilore.budget: budget value must be > 0 .* and finite, got inf"),
-    ({"budget": {"mode": "auto", "value": -INF}}, "hilore.budget: budget value must be > 0"),
-    ({"budget": {"mode": "gib", "value": True}}, "hilore.budget: budget value must be a number, got True"),
+    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget.value: got nan; valid: a finite number > 0"),
+    ({"budget": {"mode": "gc_ratio", "value": INF}}, "hilore.budget.value: got inf; valid: a finite number >= 1"),
+    ({"budget": {"mode": "auto", "value": -INF}}, "hilore.budget.value: got -inf; valid: a finite number >= 0"),
+    ({"budget": {"mode": "gib", "value": True}}, "hilore.budget.value: got True; valid: a finite number > 0"),
     ({"risk_budget": INF}, "hilore.risk_budget: got inf; valid: a finite number >= 0"),
     ({"risk_budget": NAN}, "hilore.risk_budget: got nan; valid: a finite number >= 0"),
     ({"risk_budget": "0.01"}, "hilore.risk_budget: got '0.01'; valid: a finite number >= 0"),
@@ -89,10 +89,10 @@ def test_empty_mappings_and_ints_for_float_keys_are_fine():
     ({"formats": ("int8", "int8")}, "hilore.formats: 'int8' is listed twice"),
     ({"formats": ()}, "hilore.formats: empty"),
     ({"formats": {"int8": 1}}, "hilore.formats: expected a list of formats"),
-    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget: budget value must be > 0 .* and finite, got nan"),
+    ({"budget": {"mode": "gib", "value": NAN}}, "hilore.budget.value: got nan; valid: a finite number > 0"),
     ({"budget": 40}, r"hilore.budget: expected \{mode: ..., value: ...\}"),
     ({"group_size": 64.0}, "hilore.group_size: got 64.0"),
-    ({"enable": 1}, "hilore.enable: expected bool, got 1"),
+    ({"enable": 1}, "hilore.enable: got 1; valid: true or false"),
 ])
 def test_direct_construction_is_checked_too(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -102,7 +102,7 @@ def test_direct_construction_is_checked_too(kwargs, message):
 
 @pytest.mark.parametrize("mode, value", [("gib", NAN), ("gc_ratio", INF), ("auto", INF), ("auto", -1), ("gib", 0)])
 def test_budget_config_rejects_non_finite_and_out_of_range_values(mode, value):
-    with pytest.raises(ValueError, match="budget value must be > 0 .* and finite"):
+    with pytest.raises(ValueError, match="budget.value: got .*; valid: a finite number"):
         BudgetConfig(mode, value)
 
 
@@ -141,3 +141,21 @@ def test_unit_plan_group_size_is_checked_in_every_mode():
     for mode in ("keep", "recompute", "compress"):
         with pytest.raises(ValueError, match="group_size"):
             UnitPlan(mode, fmt="int8" if mode == "compress" else None, group_size=7)
+
+
+def test_every_key_of_the_section_is_checked_by_one_rule():
+    """A new key cannot skip validation: bools by their type, every number by its entry in RANGES."""
+    import dataclasses
+
+    from hilore_verl.config import RANGES, HiLoReConfig
+
+    keys = {f.name for f in dataclasses.fields(HiLoReConfig)}
+    flags = {f.name for f in dataclasses.fields(HiLoReConfig) if f.type == "bool"}
+    assert keys - flags - {"budget", "formats"} == set(RANGES)
+    for key in flags:
+        with pytest.raises(ValueError, match=rf"hilore.{key}: got 'yes'; valid: true or false"):
+            HiLoReConfig.from_dict({key: "yes"})
+    for key, (kind, _, _) in RANGES.items():
+        for bad in (float("nan"), "1", True, 1.5 if kind.__name__ == "integer" else 10**400):
+            with pytest.raises(ValueError, match=rf"hilore.{key}: got .*; valid: (a finite number|an integer)"):
+                HiLoReConfig.from_dict({key: bad})

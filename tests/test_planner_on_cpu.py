@@ -97,11 +97,11 @@ def test_budget_config_forms():
     assert BudgetConfig().resolve(100.0) == pytest.approx(110.0)
     assert BudgetConfig("gib", 2).resolve(1.0) == 2 * 2**30
     assert BudgetConfig("auto", 1).resolve(1.0, free_bytes=3 * 2**30) == 2 * 2**30
-    with pytest.raises(ValueError, match="unknown budget mode 'ratio'; valid: gc_ratio, gib, auto"):
+    with pytest.raises(ValueError, match="budget.mode: unknown mode 'ratio'; valid: gc_ratio, gib, auto"):
         BudgetConfig("ratio", 1.1)
-    with pytest.raises(ValueError, match="budget value must be a number"):
+    with pytest.raises(ValueError, match="budget.value: got .*; valid: a finite number"):
         BudgetConfig("gib", "lots")
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="budget.value: got .*; valid: a finite number"):
         BudgetConfig("gc_ratio", -1.0)
 
 
@@ -401,18 +401,18 @@ def _edit(text, change):
     ("foreign", "not a hilore-verl controller state"),
     ("version", "version 2; this hilore-verl reads version 1"),
     ("nan", "non-finite number NaN"),
-    ("huge", "expected a finite number >= 0"),
-    ("string", r"state.costs.units\[0\].saved_bytes: expected a finite number >= 0, got '12'"),
-    ("bool", r"state.costs.tokens: expected an integer >= 1, got True"),
+    ("huge", "valid: a finite number >= 0"),
+    ("string", r"state.costs.units\[0\].saved_bytes: got '12'; valid: a finite number >= 0"),
+    ("bool", r"state.costs.tokens: got True; valid: an integer >= 1"),
     ("missing", "state.costs: missing tokens"),
     ("extra", "state: unexpected code"),
     ("units", "not this model's"),
     ("risk unit", "'lm_head' is not a unit of the cost table"),
     ("format", "state.costs.formats"),
-    ("factor", r"state.memory_factor: expected a finite number in \[0.01, 1\]"),
-    ("tiny factor", r"state.memory_factor: expected a finite number in \[0.01, 1\]"),
-    ("big int", r"state.costs.units\[0\].saved_bytes: expected a finite number >= 0"),
-    ("big float", r"state.costs.unmanaged_bytes: expected a finite number >= 0"),
+    ("factor", r"state.memory_factor: got .*; valid: a finite number in \[0.01, 1\]"),
+    ("tiny factor", r"state.memory_factor: got .*; valid: a finite number in \[0.01, 1\]"),
+    ("big int", r"state.costs.units\[0\].saved_bytes: got .*; valid: a finite number >= 0"),
+    ("big float", r"state.costs.unmanaged_bytes: got .*; valid: a finite number >= 0"),
     ("repeated format", "listed twice"),
     ("uncounted", "a sensitivity without a calibration count"),
 ])

@@ -76,8 +76,8 @@ def test_stock_verl_config_is_untouched():
     ("+actor_rollout_ref.actor.hilore.budjet=1", "hilore.budjet: unknown key"),
     ("actor_rollout_ref.actor.hilore.risk_budget=-1", "hilore.risk_budget: got -1"),
     ("actor_rollout_ref.actor.hilore.formats=[int3]", "hilore.formats: unknown format 'int3'"),
-    ("actor_rollout_ref.actor.hilore.budget.value=0", "hilore.budget: budget value must be > 0"),
-    ("actor_rollout_ref.actor.hilore.enable=yes please", "hilore.enable: expected bool"),
+    ("actor_rollout_ref.actor.hilore.budget.value=0", "hilore.budget.value: got 0; valid: a finite number >= 1"),
+    ("actor_rollout_ref.actor.hilore.enable=yes please", "hilore.enable: got 'yes please'; valid: true or false"),
     ("actor_rollout_ref.actor.strategy=fsdp", "strategy=fsdp (FSDP1)"),
 ])
 def test_bad_config_fails_at_conversion(override, message):

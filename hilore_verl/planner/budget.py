@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from hilore_verl import checks
 
 MODES = ("gc_ratio", "gib", "auto")
 GIB = 2**30
@@ -19,18 +20,13 @@ class BudgetConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"unknown budget mode {self.mode!r}; valid: {', '.join(MODES)} "
+            raise ValueError(f"budget.mode: unknown mode {self.mode!r}; valid: {', '.join(MODES)} "
                              "(e.g. {mode: gc_ratio, value: 1.10} or {mode: gib, value: 40})")
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
-            raise ValueError(f"budget value must be a number, got {self.value!r}; e.g. gc_ratio 1.10, gib 40, auto 2")
-        try:
-            finite = math.isfinite(float(self.value))
-        except OverflowError:  # an int no float can hold
-            finite = False
-        if not finite or self.value < 0 or (self.mode != "auto" and self.value == 0):
-            raise ValueError(f"budget value must be > 0 (>= 0 for auto's headroom) and finite, got {self.value}")
+        valid = {"gc_ratio": ">= 1 (GC's peak x value)", "gib": "> 0 (GiB)", "auto": ">= 0 (GiB of headroom)"}
+        checks.number("budget.value", self.value, f"{valid[self.mode]} for mode {self.mode}",
+                      lambda v: v > 0 or (self.mode == "auto" and v == 0))
         if self.mode == "gc_ratio" and self.value < 1:
-            raise ValueError(f"budget value {self.value} is a gc_ratio below 1: below what full recompute needs "
+            raise ValueError(f"budget.value: {self.value} is a gc_ratio below 1: below what full recompute needs "
                              "(GC's own peak); use 1.0 or more")
 
     def resolve(self, gc_peak_bytes: float, free_bytes: float | None = None) -> float:

@@ -358,19 +358,20 @@ class Controller:
     def _record_spent(self, record: PlanRecord, exposure_l2_exact: float) -> None:
         record.spent_risk = self.risk.predict(self.runtime_plan(record.plan), exposure_l2_exact)
 
-    def end_mini_batch(self, measured_peak_bytes: float | None = None) -> None:
+    def end_mini_batch(self, measured_peak_bytes: float | None = None, noise_bytes: float = 0.0) -> None:
         """The mini-batch's measured peak (the maximum over ranks, so every rank adjusts alike; None: not
         measured), against the largest peak its plans predicted, r = measured / predicted. Over the budget
         with r > 1 (the model under-predicts): later plans are planned under budget / r, so that the same
         error lands on the budget. r <= 1: the factor moves halfway back towards 1 each mini-batch. Within
-        the budget with r > 1: unchanged (the model errs, but the plans fit)."""
+        the budget with r > 1: unchanged (the model errs, but the plans fit). `noise_bytes`: how far the
+        measurement moves for reasons of its own (peak_memory.py); an overshoot within it is not acted on."""
         if measured_peak_bytes is None or not self._predicted_peaks:
             return
         predicted = max(self._predicted_peaks)
         self.measured = (float(measured_peak_bytes), predicted)
         ratio = measured_peak_bytes / predicted
         budget = max(self.memory_budget_at(row) for _, _, row in self._micro)  # the largest micro-batch's
-        if ratio > 1 and measured_peak_bytes > budget:
+        if ratio > 1 and measured_peak_bytes > budget + noise_bytes:
             self.peak_factor = max(min(self.peak_factor, 1 / ratio), MIN_PEAK_FACTOR)
         elif ratio <= 1 and self.peak_factor < 1:
             self.peak_factor = min(1.0, self.peak_factor + 0.5 * (1 - self.peak_factor))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
+from hilore_verl import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
 
 STATE_FORMAT = "hilore-verl/controller-state"
@@ -78,13 +78,9 @@ MAX_MAGNITUDE = 1e18  # above any byte count, time or sensitivity a real state h
 
 
 def _number(where: str, value, ok=lambda v: True, valid: str = "", integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    try:
-        plausible = math.isfinite(float(value)) and abs(float(value)) <= MAX_MAGNITUDE
-    except (OverflowError, TypeError, ValueError):  # an int no float holds, or not a number at all
-        plausible = False
-    if isinstance(value, bool) or not isinstance(value, kinds) or not plausible or not ok(value):
-        raise ValueError(f"{where}: expected {'an integer' if integer else 'a finite number'} {valid}, got {value!r}")
+    """checks.number / checks.integer, and no magnitude above MAX_MAGNITUDE (sums of them stay finite)."""
+    check = checks.integer if integer else checks.number
+    check(where, value, valid, lambda v: abs(float(v)) <= MAX_MAGNITUDE and ok(v))
 
 
 def _check_costs(costs, unit_names: list[str] | None) -> None:

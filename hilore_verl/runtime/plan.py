@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
+from hilore_verl import checks
 from hilore_verl.kernels import FORMATS, GROUP_SIZES
 
 
@@ -47,13 +48,9 @@ class UnitPlan:
                 raise ValueError(f"UnitPlan.mode: got {self.mode!r}; valid: a Mode or one of "
                                  f"{', '.join(m.value for m in Mode)} (formats go in fmt)")
             object.__setattr__(self, "mode", Mode(self.mode))
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise ValueError(f"UnitPlan.group_size: got {self.group_size!r}; valid: an integer, one of {GROUP_SIZES}")
-        for key in ("offload", "stochastic"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"UnitPlan.{key}: got {getattr(self, key)!r}; valid: True or False")
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size {self.group_size} is not supported; valid: {GROUP_SIZES}")
+        checks.integer("UnitPlan.group_size", self.group_size, f"one of {GROUP_SIZES}", lambda v: v in GROUP_SIZES)
+        checks.flag("UnitPlan.offload", self.offload)
+        checks.flag("UnitPlan.stochastic", self.stochastic)
         if self.mode == Mode.COMPRESS:
             if self.fmt not in FORMATS:
                 raise ValueError(f"unknown compression format {self.fmt!r}; valid formats: {', '.join(FORMATS)}")

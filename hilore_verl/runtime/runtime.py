@@ -28,6 +28,7 @@ from typing import Any, Mapping, Union
 import torch
 import torch.nn as nn
 
+from hilore_verl import checks
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
@@ -48,10 +49,8 @@ class RuntimeConfig:
     and its position, so a run is reproducible from this seed."""
 
     def __post_init__(self):
-        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
-            raise ValueError(f"RuntimeConfig.min_bytes: got {self.min_bytes!r}; valid: an integer >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"RuntimeConfig.seed: got {self.seed!r}; valid: an integer")
+        checks.integer("RuntimeConfig.min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
+        checks.integer("RuntimeConfig.seed", self.seed)
 
 
 @dataclass

@@ -47,7 +47,7 @@ class DemoConfig:
 
 
 def default_recipe_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "grpo")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "recipes", "grpo")
 
 
 def _rank_pids() -> list[int]:
