@@ -240,10 +240,14 @@ class Controller:
         """One forward + backward under `plan` at `tokens`, as the cost model prices it (`CostTable.pass_seconds`:
         the probe's measured pass) and, unless the plan runs hands-off (every unit kept, or the model's own
         checkpointing), the runtime's measured overhead. No optimizer step."""
-        hands_off = [self._all(KEEP),
-                     self.runtime.checkpoint_plan() if self.runtime is not None else None]
-        overhead = 0.0 if plan in hands_off else self.costs.runtime_overhead_s
+        overhead = 0.0 if plan in self.hands_off_plans() else self.costs.runtime_overhead_s
         return self.costs.pass_seconds(plan, tokens) + overhead
+
+    def hands_off_plans(self) -> list[dict[str, UnitPlan]]:
+        """The exact plans the runtime runs without its hooks: every unit kept, and HF checkpointing as the
+        model had it (where it had any)."""
+        checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
+        return [self._all(KEEP)] + ([checkpoint] if checkpoint is not None else [])
 
     def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
@@ -253,9 +257,7 @@ class Controller:
         plan = self._solve(l2, tokens, allowance, row=row)
         if self.runtime is None:  # what-if planning: nothing runs
             return plan, False
-        baselines = [self._all(KEEP)]
-        checkpoint = self.runtime.checkpoint_plan()
-        baselines += [checkpoint] if checkpoint is not None else []
+        baselines = self.hands_off_plans()
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
         limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)

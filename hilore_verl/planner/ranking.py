@@ -3,7 +3,9 @@ that "the planner's choice is the best" is a measured statement, not the model's
 
 Runner-ups by exclusion: for each unit, the best plan that does not give it the option the chosen plan
 gives it (one solve per unit, each the optimum of its restricted problem), then keep / recompute's own
-choice (no lossy option). Ranked by the cost model's step time; the chosen plan first.
+choice (no lossy option). Ranked by the cost model's step time; the chosen plan first: the solver's, or
+a hands-off exact plan that fits and is priced no slower (the runtime's hooks included), as training
+would run it (`Controller._choose`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
     it is not among them (so at most count + 1)."""
     chosen = controller.plan_for(tokens, exposure_l2, allowance)
     limit = controller.limit(tokens)
+    seconds = lambda p: controller.predicted_step_seconds(p, tokens)  # noqa: E731
+    for baseline in controller.hands_off_plans():  # run without the hooks where that is no slower (as in training)
+        if controller.predicted_peak(baseline, tokens) <= limit and seconds(baseline) <= seconds(chosen):
+            chosen = baseline
     found = {_key(chosen): chosen}
     for unit, option in chosen.items():
         try:
@@ -28,7 +34,6 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
             continue
         if controller.predicted_peak(plan, tokens) <= limit:
             found.setdefault(_key(plan), plan)
-    seconds = lambda p: controller.predicted_step_seconds(p, tokens)  # noqa: E731
     ranked = [chosen] + sorted((p for k, p in found.items() if k != _key(chosen)), key=seconds)
     ranked = ranked[:count]
     exact = controller.plan_for(tokens, exposure_l2, 0.0)
