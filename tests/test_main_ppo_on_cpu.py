@@ -125,5 +125,8 @@ def test_shared_prompt_through_the_trainer(tmp_path, task):
     assert rc == 0, out[-6000:]
     assert "shared prompt off" not in out and "shared_prompt is off" not in out, out[-6000:]
     m = steps[0]["data"]
-    assert m["actor/hilore/shared/token_share"] < 0.7, m  # 8 responses of <= 4 tokens per prompt of <= 16
+    # rollout.n=2: sharing a group's prompt P between responses R1, R2 computes P + R1 + R2 of 2P + R1 + R2
+    # tokens, so the share lies in (1/2, 1) once any group shares (1: none did). Where it lands depends on the
+    # sampled lengths and on ShareRule declining short prompts, both of which vary between rollouts here.
+    assert 0.5 < m["actor/hilore/shared/token_share"] < 1.0, m
     assert all(abs(m[k]) < float("inf") for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"))
