@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hilore_verl.bench import methods as M
+from hilore_verl.bench.method import full
 from hilore_verl.bench import run as R
 from hilore_verl.bench import workload as W
 from hilore_verl.bench.workload import BenchConfig, make_batch
@@ -46,8 +47,8 @@ def test_a_dtensor_gradient_is_gathered_whole():
         def full_tensor(self):
             return torch.ones(3)
 
-    assert torch.equal(M._full(Sharded()), torch.ones(3))
-    assert torch.equal(M._full(torch.zeros(2)), torch.zeros(2))
+    assert torch.equal(full(Sharded()), torch.ones(3))
+    assert torch.equal(full(torch.zeros(2)), torch.zeros(2))
 
 
 def test_the_gpu_bench_refuses_copies_that_cannot_stay_resident(monkeypatch):

@@ -193,7 +193,7 @@ def _summary_lines(s: dict) -> list[str]:
                      f"{ratio(s['hilore_vs_best_other_ci'])} (target >= 1.05)")
     if s.get("hilore_controller_share") is not None:
         cosine = s.get("hilore_grad_cosine")
-        lines.append(f"HiLoRe controller + solver: {100 * s['hilore_controller_share']:.2f}% of update time "
+        lines.append(f"HiLoRe session (planning, metrics, measured peak; host): {100 * s['hilore_controller_share']:.2f}% of update time "
                      f"(target <= 2%)" + ("" if cosine is None else f"; gradient cosine {cosine:.6f} (target >= 0.999)"))
     return lines
 

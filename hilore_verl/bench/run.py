@@ -93,7 +93,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         try:
             built[name] = M.build(name, config, batch, BudgetConfig("gc_ratio", 1.10), risk_budget)
             if name in M.PLANNERS and budget != 1.10:
-                built[name].controller = _controller_at(built[name], batch, budget)
+                built[name].session.controller = _controller_at(built[name], batch, budget)
         except M.Unavailable as err:
             results[name] = {"status": "unavailable", "error": str(err)}
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
@@ -146,7 +146,7 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                                  predicted_step_s=statistics.fmean(timer.predicted[name]),
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
-                                 controller_share=sum(timer.planning[name]) / sum(main.times[name]))
+                                 controller_share=sum(timer.session_s[name]) / sum(main.times[name]))
     sweep_rows = []
     for st in sets[1:]:
         widths = half_widths(st.times)
@@ -199,39 +199,41 @@ def stop_rule(config: BenchConfig) -> StopRule:
 
 
 class _Timer:
-    """One timed step of a key: a method, or (planner, budget) with that budget's controller swapped in.
-    Each key keeps its own last timing for its controller's measured trial (planner/arms.py), and each
-    planned step records its controller time and the cost model's step time for the plan it ran."""
+    """One timed step of a key: a method, or (planner, budget, ...) run by its own session on the planner's
+    model with that key's controller, so each key's timing feeds its own controller's measured trial
+    (planner/arms.py) and its own measured-peak feedback. Each planned step records the session's own host
+    seconds and the cost model's step time for the plan it ran."""
 
     def __init__(self, built: dict[str, M.Method], variants: dict[tuple, Controller], batch):
-        self.built, self.variants, self.batch = built, variants, batch
+        self.built, self.variants, self.batch = built, variants, batch  # `add` adds to `variants`
+        self.sessions = {key: built[key[0]].session_with(c) for key, c in variants.items()}
         self.trained = {n: m.trained_tokens(batch) for n, m in built.items() if m.controller is not None}
         self.computed = {n: m.layer_tokens(batch) for n, m in built.items() if m.controller is not None}
-        self.timed: dict = {}
-        self.planning: dict = {k: [] for k in [*built, *variants]}
+        self.session_s: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
 
     def add(self, key: tuple, controller: Controller) -> None:
         """Another (planner, budget, ...) key, stepped with `controller`."""
         self.variants[key] = controller
-        self.planning[key], self.predicted[key] = [], []
+        self.sessions[key] = self.built[key[0]].session_with(controller)
+        self.session_s[key], self.predicted[key] = [], []
 
     def step(self, key) -> float:
         name = key[0] if isinstance(key, tuple) else key
         method = self.built[name]
-        saved = method.controller
-        if isinstance(key, tuple):
-            method.controller = self.variants[key]
-        method.timed = self.timed.get(key)
+        if not isinstance(key, tuple):
+            return self._record(key, method, method.step(self.batch))
+        own, method.session = method.session, self.sessions[key]
         try:
-            seconds = method.step(self.batch)
-            self.timed[key] = method.timed
-            c = method.controller
-            if c is not None:
-                self.planning[key].append(method.plan_s[-1])
-                self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[name]))
+            return self._record(key, method, method.step(self.batch))
         finally:
-            method.controller = saved
+            method.session = own
+
+    def _record(self, key, method: M.Method, seconds: float) -> float:
+        c = method.controller
+        if c is not None:
+            self.session_s[key].append(method.session_s[-1])
+            self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[method.name]))
         return seconds
 
 
@@ -297,7 +299,7 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
     state = FIRST_STEP if first_step else None
     if not first_step and method is not None and method.controller is not None:
         state = os.path.join(tmp, f"{name}.pt")
-        torch.save(M.planner_state(method), state)
+        torch.save(method.state(), state)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
            "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads())}
     cmd = [sys.executable, "-m", "hilore_verl.bench.peak", name, json.dumps(config.to_dict())] + ([state] if state else [])

@@ -7,7 +7,8 @@ batch (bench/workload.py); `SessionMethod` runs one actor update the way `HiLoRe
       step():  for each micro-batch: before_forward (plan) -> forward -> after_forward (risk) -> backward
                session.optimizer_step(the optimizer's step)
 
-so what a GPU check measures with it is the product's planning, profiling and retry path, not a copy.
+so what the bench's planner rows and the GPU check measure is the product's planning, profiling, skip,
+retry and measured-peak path, not a copy.
 A micro-batch here is one bench batch (one packed row, or padded rows).
 """
 
@@ -19,11 +20,13 @@ import torch
 
 import hilore_verl
 from hilore_verl import host_memory
-from hilore_verl.bench.workload import (BenchConfig, build_model, forward_context, layer_tokens, loss_of, make_optimizer,
-                                        probe_batch, static_bytes, tokens_of)
+from hilore_verl.bench.method import Method, sync
+from hilore_verl.bench.workload import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, layer_tokens,
+                                        loss_of, make_optimizer, probe_batch, static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.runtime import RECOMPUTE, UnitPlan
 from hilore_verl.session import Session
+from hilore_verl.shared_prompt import install as install_shared_attention
 
 
 def _positions_in_sequence(target_seq: torch.Tensor) -> torch.Tensor:
@@ -106,34 +109,71 @@ class BenchPasses:
         return host_memory.available_bytes()
 
 
-class SessionMethod:
-    """A fresh policy copy whose actor update runs through `Session` (HiLoRe or its keep/recompute planner)."""
+class SessionMethod(Method):
+    """A fresh policy copy whose actor update runs through `Session` (HiLoRe or its keep/recompute planner),
+    as `HiLoReFSDPEngine` runs it: zero-exposure sequences left out (hilore.skip_zero_exposure), each
+    mini-batch planned, applied, retried and fed back by the session. `state`: a saved controller (no
+    probes); `shared`: each group's prompt computed once (shared_prompt/)."""
 
-    def __init__(self, name: str, config: BenchConfig, hilore: HiLoReConfig):
-        self.name, self.config = name, config
-        self.model = build_model(config)
-        self.optimizer = make_optimizer(self.model, config)
+    def __init__(self, name: str, config: BenchConfig, hilore: HiLoReConfig, state: dict | None = None,
+                 shared: bool = False):
+        model = build_model(config)
+        if shared:
+            install_shared_attention(model)  # a no-op where the config already attends per sequence
+            setattr(model, SHARE_ATTRIBUTE, True)
+        super().__init__(name, model, make_optimizer(model, config), config,
+                         drop="zero_coef" if hilore.skip_zero_exposure else None)
         # as verl's engine has it (enable_gradient_checkpointing, on by default): the runtime takes it over
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.runtime = hilore_verl.attach(self.model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
-                                                                                seed=hilore.seed))
-        self.passes = BenchPasses(self.model, self.optimizer, config, self.runtime)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hilore = hilore
+        self.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
+                                                                           seed=hilore.seed))
+        self.passes = BenchPasses(model, self.optimizer, config, self.runtime)
         self.session = Session(hilore, self.runtime, self.passes)
+        self.session.restore(state)
         self.metrics: dict[str, float] = {}
+        self.session_s: list[float] = []  # per mini-batch: host seconds of the session's own work
 
     @property
     def controller(self):
         return self.session.controller
 
+    def build_controller(self, batch) -> None:
+        """What the first mini-batch does first (profile, calibrate; or the saved state), now."""
+        self.session.build_controller([self.trained(batch)])
+
+    def session_with(self, controller) -> Session:
+        """A session on this model that plans with `controller` (another budget, a fixed plan), its own
+        timing and feedback apart from this one's."""
+        session = Session(self.hilore, self.runtime, self.passes)
+        session.controller = controller
+        return session
+
     def step(self, batch) -> float:
         """One actor update (the first one profiles and calibrates); returns its seconds."""
-        _sync()
+        sync()
         start = time.perf_counter()
-        _, self.metrics = self.session.train([batch], lambda: self._framework_step([batch]), tokens_of)
-        _sync()
+        self._train(batch, update=True)
+        sync()
         return time.perf_counter() - start
 
-    def _framework_step(self, micro_batches) -> None:
+    def forward_backward(self, batch) -> None:
+        """One mini-batch through the session without the optimizer step (the gradient stays)."""
+        self._train(batch, update=False)
+
+    def _train(self, batch, update: bool) -> None:
+        micro_batch, passes = self.trained(batch), []
+        start = time.perf_counter()
+
+        def framework_step():
+            begin = time.perf_counter()
+            self._framework_step([micro_batch], update)
+            passes.append(time.perf_counter() - begin)
+
+        _, self.metrics = self.session.train([micro_batch], framework_step, tokens_of)
+        self.session_s.append(time.perf_counter() - start - sum(passes))
+
+    def _framework_step(self, micro_batches, update: bool) -> None:
         """What the framework's train_batch does, with the session's per-micro-batch hooks."""
         self.optimizer.zero_grad(set_to_none=True)
         for mb in micro_batches:
@@ -142,8 +182,14 @@ class SessionMethod:
             if self.session.records_risk():
                 self.session.after_forward(index, self.passes.exposure_l2(mb))
             loss.backward()
-        self.session.optimizer_step(self.optimizer.step, None)
-        self.optimizer.zero_grad(set_to_none=True)
+        if update:
+            self.session.optimizer_step(self.optimizer.step, None)
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def state(self) -> dict:
+        """What a fresh process needs to run the same planner without profiling again."""
+        return {"controller": self.session.state_dict(), "budget": (self.hilore.budget.mode, self.hilore.budget.value),
+                "risk_budget": self.hilore.risk_budget}
 
     def predicted(self, tokens: int) -> dict:
         """The controller's last plan at `tokens`: predicted peak, and predicted seconds over keeping every
@@ -165,8 +211,3 @@ def plan_counts(plan: dict[str, UnitPlan]) -> dict[str, int]:
     for choice in map(str, plan.values()):
         counts[choice] = counts.get(choice, 0) + 1
     return counts
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
