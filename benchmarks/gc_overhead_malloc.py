@@ -17,7 +17,7 @@ import sys
 CHILD = r'''
 import json, sys, time, torch
 from hilore_verl.bench import methods as M
-from hilore_verl.bench.workload import BenchConfig, coefficients, make_batch, response_log_probs
+from hilore_verl.bench.actor_update import BenchConfig, coefficients, make_batch, indexed_log_probs
 h, L, V, R = map(int, sys.argv[1:5])
 cfg = BenchConfig(hidden_size=h, num_layers=L, vocab_size=V, max_response_len=R)
 batch = make_batch(cfg); c = coefficients(batch); out = {}
@@ -27,7 +27,7 @@ for name in ("no_gc", "gc"):
         t0 = time.perf_counter()
         logits = m.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"], use_cache=False).logits
-        loss = (response_log_probs(logits, batch) * c).sum(); t1 = time.perf_counter()
+        loss = (indexed_log_probs(logits, batch) * c).sum(); t1 = time.perf_counter()
         loss.backward(); t2 = time.perf_counter(); m.optimizer.step(); m.optimizer.zero_grad(); t3 = time.perf_counter()
     out[name] = {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2, "step_s": t3 - t0}
 print(json.dumps(out))

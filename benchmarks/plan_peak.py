@@ -20,7 +20,7 @@ import torch
 
 import hilore_verl
 from hilore_verl.bench.peak import _status_kib
-from hilore_verl.bench.workload import BenchConfig, build_model, forward_context, loss_of, make_batch
+from hilore_verl.bench.actor_update import BenchConfig, build_model, forward_context, loss_of, make_batch
 
 VARIANTS = ("as_planned", "kept", "recomputed")
 

@@ -111,6 +111,16 @@ def make_grpo_batch(workload: GRPOWorkload, seed: int = 0) -> dict[str, torch.Te
     return batch
 
 
+def response_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(response token) under `model` for a left-right padded batch: (B, R), zero where masked.
+    The logit at position t predicts token t + 1, so response token j is read at P - 1 + j."""
+    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], use_cache=False).logits
+    logp = torch.log_softmax(logits[:, P - 1 : P + R - 1].float(), dim=-1)  # (B, R, V)
+    return logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * batch["response_mask"]
+
+
 def pack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The packed layout (verl's `use_remove_padding`): valid tokens of all sequences in one row.
 

@@ -9,8 +9,8 @@ import torch
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.method import full
 from hilore_verl.bench import run as R
-from hilore_verl.bench import workload as W
-from hilore_verl.bench.workload import BenchConfig, make_batch
+from hilore_verl.bench import actor_update as W
+from hilore_verl.bench.actor_update import BenchConfig, make_batch
 
 TINY = BenchConfig(hidden_size=64, num_layers=2, vocab_size=256, num_groups=2, group_size=2, max_prompt_len=8,
                    max_response_len=8)
@@ -59,7 +59,7 @@ def test_the_gpu_bench_refuses_copies_that_cannot_stay_resident(monkeypatch):
 
 
 def test_master_adamw_steps_fp32_masters_and_rounds_back():
-    from hilore_verl.bench.workload import MasterAdamW, make_optimizer, static_bytes
+    from hilore_verl.bench.actor_update import MasterAdamW, make_optimizer, static_bytes
 
     torch.manual_seed(0)
     low = torch.nn.Linear(64, 32).to(torch.bfloat16)

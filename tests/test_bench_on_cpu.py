@@ -199,7 +199,7 @@ def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():
 def test_the_packed_row_gives_the_padded_layouts_loss_and_gradient():
     import torch
 
-    from hilore_verl.bench.workload import build_model, loss_of, make_batch, padding_share
+    from hilore_verl.bench.actor_update import build_model, loss_of, make_batch, padding_share
 
     config = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
                          max_response_len=48, autocast=False)
@@ -234,7 +234,7 @@ def test_hilores_first_step_fits_where_gc_fits_and_takes_at_most_three_gc_steps(
     process, both over a base that holds the codec's compiled code) and its time <= 3x a GC step
     timed in the same process."""
     from hilore_verl.bench.run import _peak
-    from hilore_verl.bench.workload import BenchConfig
+    from hilore_verl.bench.actor_update import BenchConfig
 
     config = BenchConfig()
     first = _peak("hilore", config, None, str(tmp_path), first_step=True)

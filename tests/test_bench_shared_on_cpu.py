@@ -8,7 +8,7 @@ import torch
 
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.run import run_bench
-from hilore_verl.bench.workload import BenchConfig, make_batch, shared_inputs
+from hilore_verl.bench.actor_update import BenchConfig, make_batch, shared_inputs
 
 TINY = BenchConfig(hidden_size=64, num_layers=2, vocab_size=256, num_groups=3, group_size=4, max_prompt_len=24,
                    max_response_len=16, zero_advantage_share=0.0, autocast=False, per_sequence_attention=True)

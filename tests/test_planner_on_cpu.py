@@ -17,7 +17,7 @@ from hilore_verl.risk import RiskModel
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 from tests.harness.distributed import run_on_ranks
-from tests.harness.models import response_log_probs
+from hilore_verl.workload import response_log_probs
 
 
 def _random_options(rng, units, lossy=True):

@@ -15,7 +15,7 @@ from hilore_verl.timing import DeviceClock, fit_bandwidth
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.units import name_in_layer
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
-from tests.harness.models import response_log_probs
+from hilore_verl.workload import response_log_probs
 
 OVERHEAD = 50e-6  # a launch
 BW = 1e12  # bytes per second at large sizes

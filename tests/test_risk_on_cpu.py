@@ -14,7 +14,8 @@ from hilore_verl.integration.tools.verl_engine import actor_config
 from hilore_verl.risk import GradientAudit, RiskModel, calibrate, codec_error
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
-from tests.harness.models import response_log_probs, surrogate_gradient
+from hilore_verl.workload import response_log_probs
+from tests.harness.models import surrogate_gradient
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48, zero_advantage_share=0.5)
 FMTS = ("int8", "fp8", "int4")

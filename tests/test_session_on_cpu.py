@@ -20,7 +20,7 @@ from hilore_verl.session import Session
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch
 from tests.harness.distributed import run_on_ranks
-from tests.harness.models import response_log_probs
+from hilore_verl.workload import response_log_probs
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=40)
 

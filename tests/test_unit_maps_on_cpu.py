@@ -21,7 +21,8 @@ from hilore_verl.planner import profile
 from hilore_verl.tiny_models import FAMILIES, build_tiny_model
 from hilore_verl.unit_maps import MAPS, UnitSpec, register_map
 from hilore_verl.workload import make_grpo_batch
-from tests.harness.models import WORKLOAD, cosine_and_rel_error, policy_gradient_step, response_log_probs
+from hilore_verl.workload import response_log_probs
+from tests.harness.models import WORKLOAD, cosine_and_rel_error, policy_gradient_step
 
 PRE_NORM = ["attn.norm", "attn.proj", "attn.core", "mlp.norm", "mlp.proj", "mlp.act"]
 POST_NORM = ["attn.proj", "attn.core", "attn.norm", "mlp.proj", "mlp.act", "mlp.norm"]

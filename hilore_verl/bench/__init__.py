@@ -2,6 +2,6 @@
 
 from hilore_verl.bench.methods import METHODS
 from hilore_verl.bench.run import run_bench
-from hilore_verl.bench.workload import BenchConfig
+from hilore_verl.bench.actor_update import BenchConfig
 
 __all__ = ["METHODS", "BenchConfig", "run_bench"]

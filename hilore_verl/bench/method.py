@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hilore_verl import skip
-from hilore_verl.bench.workload import BenchConfig, forward_context, layer_tokens, loss_of, probe_batch, tokens_of
+from hilore_verl.bench.actor_update import BenchConfig, forward_context, layer_tokens, loss_of, probe_batch, tokens_of
 from hilore_verl.session import SingleProcess
 
 

@@ -27,7 +27,7 @@ import torch
 import hilore_verl
 from hilore_verl.bench.method import Method
 from hilore_verl.bench.session_passes import SessionMethod
-from hilore_verl.bench.workload import SHARE_ATTRIBUTE, BenchConfig, build_model, make_optimizer
+from hilore_verl.bench.actor_update import SHARE_ATTRIBUTE, BenchConfig, build_model, make_optimizer
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig

@@ -30,7 +30,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
 
     from hilore_verl import kernels
     from hilore_verl.bench import methods as M
-    from hilore_verl.bench.workload import BenchConfig, make_batch
+    from hilore_verl.bench.actor_update import BenchConfig, make_batch
     from hilore_verl.planner import BudgetConfig
 
     config = BenchConfig(**{k: v for k, v in json.loads(config_json).items()

@@ -30,7 +30,7 @@ from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, sa
                                       save_markdown, summarize, table)
 from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
 from hilore_verl.bench.stats import mean_ci, paired_ratio_ci
-from hilore_verl.bench.workload import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
+from hilore_verl.bench.actor_update import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.planner import BudgetConfig, Controller
 from hilore_verl.runtime import KEEP, UnitPlan

@@ -1,7 +1,7 @@
 """The benchmark's actor update driven by `Session`, the code verl's engine runs around each mini-batch.
 
 `BenchPasses` is what the session asks of a framework (session.Passes), for the bench's model and
-batch (bench/workload.py); `SessionMethod` runs one actor update the way `HiLoReFSDPEngine` does:
+batch (bench/actor_update.py); `SessionMethod` runs one actor update the way `HiLoReFSDPEngine` does:
 
     session.train(micro_batches, step)      first call: probe, profile, calibrate, build the controller
       step():  for each micro-batch: before_forward (plan) -> forward -> after_forward (risk) -> backward
@@ -21,7 +21,7 @@ import torch
 import hilore_verl
 from hilore_verl import host_memory
 from hilore_verl.bench.method import Method, sync
-from hilore_verl.bench.workload import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, layer_tokens,
+from hilore_verl.bench.actor_update import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, layer_tokens,
                                         loss_of, make_optimizer, probe_batch, static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.runtime import RECOMPUTE, UnitPlan

@@ -66,7 +66,7 @@ def measure(method: str, config: dict, steps: int) -> dict:
     """One method in this process: build, first step, `steps` timed steps."""
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.session_passes import SessionMethod
-    from hilore_verl.bench.workload import BenchConfig, make_batch, tokens_of
+    from hilore_verl.bench.actor_update import BenchConfig, make_batch, tokens_of
     from hilore_verl.config import HiLoReConfig
     from hilore_verl.kernels import warm_up
     from hilore_verl.planner import BudgetConfig

@@ -43,7 +43,7 @@ def profile_stage(report: StageReport, ctx: Context) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from hilore_verl.bench.session_passes import SessionMethod
-    from hilore_verl.bench.workload import BenchConfig, make_batch
+    from hilore_verl.bench.actor_update import BenchConfig, make_batch
     from hilore_verl.config import HiLoReConfig
 
     bench = BenchConfig(**_workload(ctx))

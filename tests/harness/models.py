@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch, response_log_probs
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=24, max_response_len=72)
 
@@ -12,13 +12,9 @@ WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=24, max_respo
 def policy_gradient_step(model, batch=None, seed: int = 0):
     """Loss = -(weights * log p(response)) summed: a GRPO-like gradient. Returns (loss, {param: grad})."""
     batch = batch if batch is not None else make_grpo_batch(WORKLOAD, seed=0)
-    P = batch["prompts"].shape[1]
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # dropout, if the config has any
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits
-    logp = torch.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
-    logp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    logp = response_log_probs(model, batch)
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * batch["response_mask"]
     loss = -(logp * weights).sum() / batch["response_mask"].sum()
     loss.backward()
@@ -32,14 +28,6 @@ def flat(grads: dict) -> torch.Tensor:
 def cosine_and_rel_error(grads, ref) -> tuple[float, float]:
     a, b = flat(grads), flat(ref)
     return (torch.dot(a, b) / (a.norm() * b.norm())).item(), ((a - b).norm() / b.norm()).item()
-
-
-def response_log_probs(model, batch):
-    P = batch["prompts"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits
-    logp = torch.log_softmax(logits[:, P - 1 : -1].float(), dim=-1)
-    return logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * batch["response_mask"]
 
 
 def surrogate_gradient(model, runtime, batch, c, plan) -> torch.Tensor:

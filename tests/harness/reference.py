@@ -5,16 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def response_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """log p(response token) under `model` for a left-right padded batch: (B, R), zero where masked."""
-    P, R = batch["prompts"].shape[1], batch["responses"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits
-    logits = logits[:, P - 1 : P + R - 1].float()  # position t predicts token t + 1
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["responses"][..., None]).squeeze(-1)
-    return logp * batch["response_mask"]
-
-
 def ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, clip_ratio=0.2, clip_ratio_c=3.0):
     """PPO's dual-clip surrogate, token-mean over every response token of the batch, written out."""
     ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0))

@@ -252,8 +252,9 @@ def coefficients(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["coef"]
 
 
-def response_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(N,) log-probabilities of the response tokens (the vocabulary-sized part of the step)."""
+def indexed_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N,) log-probabilities of the response tokens, read at `logit_index` of the flattened logits (the
+    vocabulary-sized part of the step; hilore_verl.workload.response_log_probs reads verl's padded rows)."""
     rows = logits.reshape(-1, logits.shape[-1])[batch["logit_index"]]
     return torch.log_softmax(rows.float(), dim=-1).gather(-1, batch["targets"][:, None]).squeeze(-1)
 
@@ -308,7 +309,7 @@ def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], c: torch.Ten
     else:
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
         logits = model(**inputs, use_cache=False).logits
-    logp = head(response_log_probs, logits, batch) if head is not None else response_log_probs(logits, batch)
+    logp = head(indexed_log_probs, logits, batch) if head is not None else indexed_log_probs(logits, batch)
     return (logp * c).sum()
 
 
