@@ -172,33 +172,32 @@ class GradientAudit:
     The measured deviation re-scales the sensitivities of the plan's lossy units (fully when it
     is off by more than `tolerance`, by `learning_rate` in log space otherwise). A deviation above
     `tolerance` x predicted is an anomaly: the risk budget halves. Within tolerance and below the
-    budget, the budget relaxes by 10% towards its initial value.
+    budget, the budget relaxes by 10% towards `ceiling`. The budget in effect is the controller's
+    (`Controller.risk_budget`, checkpointed there): `run` takes it and returns the next one.
     """
 
     risk: RiskModel
-    risk_budget: float = 0.01
+    ceiling: float = 0.01  # the configured risk budget (hilore.risk_budget): relaxing stops here
     every: int = 50
     tolerance: float = 2.0
     learning_rate: float = 0.3
     min_budget: float = 1e-5
-    initial_budget: float | None = None
     history: list[AuditResult] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.every < 1 or self.tolerance <= 1 or self.risk_budget <= 0:
-            raise ValueError("need every >= 1, tolerance > 1 and risk_budget > 0")
-        if self.initial_budget is None:
-            self.initial_budget = self.risk_budget
+        if self.every < 1 or self.tolerance <= 1 or self.ceiling <= 0:
+            raise ValueError("need every >= 1, tolerance > 1 and ceiling > 0")
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike,
-            exposure_l2: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult | None:
+    def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike, exposure_l2: float,
+            risk_budget: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult | None:
         """`exact`, `approx`: flat gradients (or this rank's shards of them, with `reduce` summing
-        a float64 vector in place over the ranks that hold the other shards).
+        a float64 vector in place over the ranks that hold the other shards); `risk_budget`: the budget
+        the plan was made under. The result carries the budget for the plans after it.
 
-        Returns None, and changes nothing (no history, sensitivities and budget untouched), when the
+        Returns None, and changes nothing (no history, no sensitivity moved), when the
         exact gradient is zero or not finite: there is no cosine or relative error to measure then
         (a micro-batch without exposure), and a zero deviation from it says nothing about the plan."""
         exact, approx = exact.double(), approx.double()
@@ -223,9 +222,9 @@ class GradientAudit:
         if lossy and predicted > 0 and 0 < measured < math.inf:
             self.risk.rescale(lossy, ratio if anomaly else ratio ** self.learning_rate)
         if anomaly:
-            self.risk_budget = max(self.risk_budget / 2, self.min_budget)
-        elif rel <= self.risk_budget:
-            self.risk_budget = min(self.risk_budget * 1.1, self.initial_budget)
-        result = AuditResult(step, cosine, rel, measured, predicted, ratio, anomaly, self.risk_budget)
+            risk_budget = max(risk_budget / 2, self.min_budget)
+        elif rel <= risk_budget:
+            risk_budget = min(risk_budget * 1.1, self.ceiling)
+        result = AuditResult(step, cosine, rel, measured, predicted, ratio, anomaly, risk_budget)
         self.history.append(result)
         return result

@@ -131,7 +131,7 @@ class Session:
     # ------------------------------------------------------------------ the controller
     def _make_controller(self, costs, risk) -> Controller:
         c = self.config
-        audit = (GradientAudit(risk, risk_budget=c.risk_budget, every=c.audit_every, tolerance=c.audit_tolerance)
+        audit = (GradientAudit(risk, ceiling=c.risk_budget, every=c.audit_every, tolerance=c.audit_tolerance)
                  if risk is not None and c.audit_every > 0 else None)
         free = self.passes.free_bytes() if c.budget.mode == "auto" else None  # measured when the actor trains
         return Controller(self.runtime, costs, risk, c.budget, static_bytes=self.passes.static_bytes(),

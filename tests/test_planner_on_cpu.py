@@ -281,12 +281,12 @@ def _audited_controller(tiny):
     costs = _gpu_like(costs)
     risk = _flat_risk(costs.units)
     return Controller(rt, costs, risk, ROOMY, risk_budget=0.05,
-                      audit=GradientAudit(risk, risk_budget=0.05, every=1)), tokens
+                      audit=GradientAudit(risk, ceiling=0.05, every=1)), tokens
 
 
 def test_an_audit_of_a_zero_gradient_changes_nothing(tiny):
     ctl, tokens = _audited_controller(tiny)
-    ctl.audit.risk_budget = ctl.risk_budget = 0.02
+    ctl.risk_budget = 0.02
     ctl.begin_mini_batch([0.0], [tokens])
     ctl.plan_micro_batch(0)
     zeros = torch.zeros(100, dtype=torch.float64)
@@ -367,7 +367,7 @@ def _calibrated_state(costs):
         risk.add_measurement(u.name, "int8", 64, 0.1 + i / 7, 1e-3 * (i + 1) / 3)
     risk.grad_scale = 0.123456789012345678
     ctl = Controller(None, costs, risk, BudgetConfig("gc_ratio", 1.1), risk_budget=0.01 / 3,
-                     audit=GradientAudit(risk, risk_budget=0.01 / 3))
+                     audit=GradientAudit(risk, ceiling=0.01 / 3))
     ctl.oom_factor = 0.9 * 0.95
     return ctl.state_dict()
 
@@ -378,7 +378,7 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
     text = dump_state(state)
-    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 1
+    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 2
     loaded = load_state(text, [u.name for u in rt.units])
     assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
     assert Controller.costs_from_state(loaded) == costs
@@ -386,6 +386,26 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     assert load_state(text.encode())["costs"]["tokens"] == costs.tokens  # bytes as read from a file
     with pytest.raises(ValueError, match="non-finite"):
         dump_state({**state, "memory_factor": float("nan")})
+
+
+def test_a_version_1_state_loads_with_its_second_risk_budget_dropped(tiny):
+    """Version 1 saved the audit's copy of the risk budget beside the controller's (always equal); a
+    version-1 checkpoint resumes with the one budget, and a malformed copy is still refused."""
+    from hilore_verl.planner.state import dump_state, load_state
+
+    _, rt, _, _, costs = tiny
+    state = _calibrated_state(costs)
+    assert set(state) == {"costs", "risk", "risk_budget", "memory_factor"}
+    doc = json.loads(dump_state(state))
+    doc["version"], doc["state"]["audit_budget"] = 1, state["risk_budget"]
+    loaded = load_state(json.dumps(doc), [u.name for u in rt.units])
+    assert loaded == json.loads(json.dumps(state))
+    doc["state"]["audit_budget"] = -1.0
+    with pytest.raises(ValueError, match="state.audit_budget"):
+        load_state(json.dumps(doc))
+    doc["version"] = 2  # version 2 has no such field
+    with pytest.raises(ValueError, match="unexpected audit_budget"):
+        load_state(json.dumps(doc))
 
 
 def _edit(text, change):
@@ -399,7 +419,7 @@ def _edit(text, change):
     ("not utf-8", "not JSON"),
     ("a list", "not a hilore-verl controller state"),
     ("foreign", "not a hilore-verl controller state"),
-    ("version", "version 2; this hilore-verl reads version 1"),
+    ("version", "version 3; this hilore-verl reads versions 1, 2"),
     ("nan", "non-finite number NaN"),
     ("huge", "valid: a finite number >= 0"),
     ("string", r"state.costs.units\[0\].saved_bytes: got '12'; valid: a finite number >= 0"),
@@ -427,7 +447,7 @@ def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, mat
         "not utf-8": lambda: b"\xff\xfe\xfa garbage",
         "a list": lambda: "[1, 2, 3]",
         "foreign": lambda: json.dumps({"step": 3, "state": {}}),
-        "version": lambda: text.replace('"version": 1', '"version": 2'),
+        "version": lambda: text.replace('"version": 2', '"version": 3'),
         "nan": lambda: _edit(text, lambda s: s.update(risk_budget=1.0)).replace('"risk_budget": 1.0',
                                                                                   '"risk_budget": NaN'),
         "huge": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(held_bytes=1.0)).replace(

@@ -77,7 +77,8 @@ def test_audit_catches_an_injected_bad_codec_and_tightens(calibrated, monkeypatc
     model, rt, units, risk = calibrated
     risk = RiskModel()  # a copy: the fixture's model stays clean
     risk.load_state_dict(calibrated[3].state_dict())
-    audit = GradientAudit(risk, risk_budget=0.05, every=2)
+    audit = GradientAudit(risk, ceiling=0.05, every=2)
+    budget = 0.05
     plan = {u: "int8" for u in units if u.startswith("layers.")}
     real = runtime_module.quantize
 
@@ -94,7 +95,8 @@ def test_audit_catches_an_injected_bad_codec_and_tightens(calibrated, monkeypatc
         if audit.due(step):
             exact = surrogate_gradient(model, rt, batch, c, {})
             approx = surrogate_gradient(model, rt, batch, c, plan)
-            results.append(audit.run(step, exact, approx, plan, e2))
+            results.append(audit.run(step, exact, approx, plan, e2, budget))
+            budget = results[-1].risk_budget
     before, after = results[0], results[1]  # audits at steps 2 and 4: one period after the injection
     assert not before.anomaly and before.risk_budget == pytest.approx(0.05)
     assert after.anomaly and after.ratio > 2 and after.risk_budget == pytest.approx(0.025)
@@ -114,27 +116,29 @@ def test_an_audit_of_a_zero_exact_gradient_records_nothing():
     """A micro-batch without exposure has a zero exact gradient (and a zero approximate one): there is
     no cosine or relative error to report, and the audit must not relax the budget or move sensitivities."""
     risk = RiskModel(sensitivity={"head": 1.0, "layers.0.mlp.act": 2.0}, grad_scale=1.0)
-    audit = GradientAudit(risk, risk_budget=0.05, every=1)
-    audit.risk_budget = 0.02  # tightened by an earlier anomaly: a clean audit would relax it
+    audit = GradientAudit(risk, ceiling=0.05, every=1)
     before = dict(risk.sensitivity)
     zeros = torch.zeros(50)
-    assert audit.run(1, zeros, zeros, {"head": "int8", "layers.0.mlp.act": "int4"}, exposure_l2=0.0) is None
-    assert audit.history == [] and audit.risk_budget == 0.02 and risk.sensitivity == before
+    # 0.02: tightened by an earlier anomaly, which a clean audit would relax
+    assert audit.run(1, zeros, zeros, {"head": "int8", "layers.0.mlp.act": "int4"}, 0.0, 0.02) is None
+    assert audit.history == [] and risk.sensitivity == before
     # the same over ranks: the reduced sums decide (here every shard is zero)
-    assert audit.run(2, zeros, zeros, {"head": "int8"}, 1.0, reduce=lambda t: t.mul_(2)) is None
-    # a non-zero exact gradient is audited as before
+    assert audit.run(2, zeros, zeros, {"head": "int8"}, 1.0, 0.02, reduce=lambda t: t.mul_(2)) is None
+    # a non-zero exact gradient is audited as before, and the clean audit relaxes the budget by 10%
     exact = torch.ones(50)
-    result = audit.run(3, exact, exact + 1e-4, {"head": "int8"}, exposure_l2=1.0)
+    result = audit.run(3, exact, exact + 1e-4, {"head": "int8"}, 1.0, 0.02)
     assert result is not None and result.cosine == pytest.approx(1.0) and len(audit.history) == 1
+    assert result.risk_budget == pytest.approx(0.022)
+    assert audit.run(4, exact, exact + 1e-4, {"head": "int8"}, 1.0, 0.049).risk_budget == 0.05  # not past the ceiling
 
 
 def test_a_non_finite_approximate_gradient_is_an_anomaly():
     risk = RiskModel(sensitivity={"head": 1.0}, grad_scale=1.0)
-    audit = GradientAudit(risk, risk_budget=0.05, every=1)
+    audit = GradientAudit(risk, ceiling=0.05, every=1)
     approx = torch.ones(10)
     approx[3] = float("nan")
-    result = audit.run(1, torch.ones(10), approx, {"head": "int8"}, exposure_l2=1.0)
-    assert result.anomaly and result.rel_error == math.inf and audit.risk_budget == pytest.approx(0.025)
+    result = audit.run(1, torch.ones(10), approx, {"head": "int8"}, 1.0, 0.05)
+    assert result.anomaly and result.rel_error == math.inf and result.risk_budget == pytest.approx(0.025)
     assert math.isfinite(risk.sensitivity["head"])  # not re-scaled by an infinite ratio
 
 

@@ -411,7 +411,7 @@ class Controller:
         until the next `begin_mini_batch`."""
         self.record_spent()  # under the risk model the audit is about to re-scale
         result = self.audit.run(step, exact, approx, self.runtime_plan(self.history[-1].plan), exposure_l2,
-                                reduce=reduce)
+                                self.risk_budget, reduce=reduce)
         if result is None:
             return None
         self._audit_result = result
@@ -429,8 +429,7 @@ class Controller:
         """What a resumed run needs to continue calibrated: costs, risk model, budgets, audit state.
         Plain numbers, names and lists: `dump_state` writes it as JSON, `load_state` validates it."""
         return {"costs": dataclasses.asdict(self.costs), "risk": self.risk.state_dict() if self.risk else None,
-                "risk_budget": self.risk_budget, "memory_factor": self.oom_factor,
-                "audit_budget": self.audit.risk_budget if self.audit is not None else None}
+                "risk_budget": self.risk_budget, "memory_factor": self.oom_factor}
 
     @staticmethod
     def costs_from_state(state: dict) -> CostTable:
@@ -451,8 +450,6 @@ class Controller:
         """Budgets and audit state (costs and risk model are passed to the constructor)."""
         self.risk_budget = state["risk_budget"]
         self.oom_factor = state["memory_factor"]  # the measured-peak factor is measured again
-        if self.audit is not None and state["audit_budget"] is not None:
-            self.audit.risk_budget = state["audit_budget"]
         self._cache.clear()
 
     # ------------------------------------------------------------------ metrics

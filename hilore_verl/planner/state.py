@@ -16,7 +16,8 @@ from hilore_verl import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
 
 STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 1
+STATE_VERSION = 2
+OLD_VERSIONS = (1,)  # read too: version 1 also held the audit's copy of the risk budget (audit_budget)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
 
 
@@ -48,20 +49,23 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
         raise ValueError(f"not JSON ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
         raise ValueError(f"not a hilore-verl controller state (no format tag {STATE_FORMAT!r})")
-    if doc.get("version") != STATE_VERSION or isinstance(doc.get("version"), bool):
-        raise ValueError(f"controller state version {doc.get('version')!r}; this hilore-verl reads version "
-                         f"{STATE_VERSION}")
+    version = doc.get("version")
+    if version not in (STATE_VERSION, *OLD_VERSIONS) or isinstance(version, bool):
+        raise ValueError(f"controller state version {version!r}; this hilore-verl reads versions "
+                         f"{', '.join(map(str, (*OLD_VERSIONS, STATE_VERSION)))}")
     _keys("", doc, {"format", "version", "state"})
     state = doc["state"]
-    _keys("state", state, {"costs", "risk", "risk_budget", "memory_factor", "audit_budget"})
+    fields = {"costs", "risk", "risk_budget", "memory_factor"}
+    _keys("state", state, fields | {"audit_budget"} if version == 1 else fields)
     _check_costs(state["costs"], unit_names)
     names = [u["name"] for u in state["costs"]["units"]]
     if state["risk"] is not None:
         _check_risk(state["risk"], names)
     _number("state.risk_budget", state["risk_budget"], lambda v: v >= 0, ">= 0")
     _number("state.memory_factor", state["memory_factor"], lambda v: 0.01 <= v <= 1, "in [0.01, 1]")
-    if state["audit_budget"] is not None:
+    if state.get("audit_budget") is not None:
         _number("state.audit_budget", state["audit_budget"], lambda v: v > 0, "> 0 (or null)")
+    state.pop("audit_budget", None)  # version 1: the risk budget's second copy, equal to risk_budget
     return state
 
 
