@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from hilore_verl import checks
 from hilore_verl.kernels import FORMATS, GROUP_SIZES
 from hilore_verl.planner.budget import MODES, BudgetConfig
+from hilore_verl.runtime import RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ class HiLoReConfig:
                 kind(f"hilore.{f.name}", value, valid, ok)
         object.__setattr__(self, "budget", _budget(self.budget))
         object.__setattr__(self, "formats", _formats(self.formats))  # a tuple is checked too
+
+    def runtime_config(self) -> RuntimeConfig:
+        """The runtime's settings, derived from this section (the planner's are read by `Session`)."""
+        return RuntimeConfig(min_bytes=self.min_bytes, seed=self.seed)
 
 
 RANGES = {  # every number of the section: its check, what is valid, the test

@@ -159,3 +159,11 @@ def test_every_key_of_the_section_is_checked_by_one_rule():
         for bad in (float("nan"), "1", True, 1.5 if kind.__name__ == "integer" else 10**400):
             with pytest.raises(ValueError, match=rf"hilore.{key}: got .*; valid: (a finite number|an integer)"):
                 HiLoReConfig.from_dict({key: bad})
+
+
+def test_the_runtime_settings_derive_from_the_section():
+    from hilore_verl.runtime import RuntimeConfig
+
+    config = HiLoReConfig.from_dict({"min_bytes": 4096, "seed": -7})
+    assert config.runtime_config() == RuntimeConfig(min_bytes=4096, seed=-7)
+    assert HiLoReConfig().runtime_config() == RuntimeConfig()  # the same defaults in both

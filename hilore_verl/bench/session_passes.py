@@ -126,8 +126,7 @@ class SessionMethod(Method):
         # as verl's engine has it (enable_gradient_checkpointing, on by default): the runtime takes it over
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.hilore = hilore
-        self.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=hilore.min_bytes,
-                                                                           seed=hilore.seed))
+        self.runtime = hilore_verl.attach(model, hilore.runtime_config())
         self.passes = BenchPasses(model, self.optimizer, config, self.runtime)
         self.session = Session(hilore, self.runtime, self.passes)
         self.session.restore(state)

@@ -196,8 +196,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
 
     def initialize(self):
         super().initialize()
-        self.runtime = hilore_verl.attach(
-            self.module, hilore_verl.RuntimeConfig(min_bytes=self.hilore.min_bytes, seed=self.hilore.seed))
+        self.runtime = hilore_verl.attach(self.module, self.hilore.runtime_config())
         self.session = Session(self.hilore, self.runtime, VerlPasses(self),
                                collectives_for(self.get_data_parallel_group(), self.hilore.fault_timeout_s))
         check_codec_device(self.hilore, compute_device())
