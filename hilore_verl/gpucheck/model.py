@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hilore_verl.gpucheck.stage import Context, StageReport
+from hilore_verl.gpucheck.context import Context, StageReport
 from hilore_verl.host_memory import peak_resident_bytes, resident_bytes
 
 BASELINES = ("no_gc", "gc", "int8_boundary", "fp8_boundary")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hilore_verl.gpucheck.stage import Context, StageReport
+from hilore_verl.gpucheck.context import Context, StageReport
 
 TOP = 12
 

@@ -8,8 +8,7 @@ import time
 
 import torch
 
-from hilore_verl.gpucheck.stage import Context, StageReport
-from hilore_verl.gpucheck.stages import _cosine, _device, _tiny_policy
+from hilore_verl.gpucheck.context import Context, StageReport, cosine, tiny_policy
 
 
 def _groups(ctx: Context) -> list[tuple[int, list[int]]]:
@@ -37,8 +36,8 @@ def _run(model, fn, sequences, device) -> tuple[torch.Tensor, list[torch.Tensor]
 def shared_prompt_stage(report: StageReport, ctx: Context) -> None:
     from hilore_verl.shared_prompt import attention, shared_log_probs, unshared_log_probs
 
-    model, vocab = _tiny_policy(ctx)
-    device = _device(ctx)
+    model, vocab = tiny_policy(ctx)
+    device = ctx.torch_device()
     g = torch.Generator().manual_seed(0)
     sequences = []
     for gid, (prompt_len, responses) in enumerate(_groups(ctx)):
@@ -52,7 +51,7 @@ def shared_prompt_stage(report: StageReport, ctx: Context) -> None:
     diff = float((logps - reference).abs().max())
     bound = 0.1 if low else 1e-4  # bf16: the two layouts round their sums differently
     report.check(f"log-probs equal the per-sequence forward within {bound:g}", diff <= bound, f"max |diff| {diff:.2e}")
-    cos, rel = _cosine(grads, exact)
+    cos, rel = cosine(grads, exact)
     least = 0.999 if low else 0.999999
     report.check(f"gradients: cosine >= {least:g} against the per-sequence forward", cos >= least,
                  f"cosine {cos:.6f}, rel {rel:.2e}")

@@ -1,52 +1,22 @@
 """One stage of the check in this process: `python -m hilore_verl.gpucheck.stage NAME --device D --out DIR [--tiny]`.
 
-A stage is a function `(report: StageReport, ctx: Context) -> None` that records checks (pass / fail
-with a detail line) and figures; `StageReport` rewrites DIR/stage_NAME.json after every record, so
-what was measured survives a stage killed at its time limit. An exception is recorded as a failed
-check and the process exits 1.
+A stage is a function `(report: StageReport, ctx: Context) -> None` (gpucheck/context.py) that records
+checks and figures in DIR/stage_NAME.json. An exception is recorded as a failed check and the process
+exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Context:
-    device: str  # "cuda" or "cpu"
-    tiny: bool  # the CPU-sized version of every workload
-    out: str
-
-
-class StageReport:
-    def __init__(self, path: str):
-        self.path = path
-        self.data = {"checks": [], "figures": {}}
-
-    def check(self, name: str, ok: bool, detail: str = "") -> bool:
-        self.data["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
-        self._write()
-        return bool(ok)
-
-    def figure(self, key: str, value) -> None:
-        self.data["figures"][key] = value
-        self._write()
-
-    def _write(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1, default=str)
-        os.replace(tmp, self.path)
+from hilore_verl.gpucheck import model, profiling, shared, stages
+from hilore_verl.gpucheck.context import Context, StageReport
 
 
 def _stages():
-    from hilore_verl.gpucheck import model, profiling, shared, stages
-
     return {"environment": stages.environment, "codecs": stages.codecs, "runtime": stages.runtime,
             "shared_prompt": shared.shared_prompt_stage, "model": model.model_stage,
             "profile": profiling.profile_stage}
@@ -60,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     report = StageReport(os.path.join(args.out, f"stage_{args.name}.json"))
-    report._write()
+    report.write()
     try:
         _stages()[args.name](report, Context(args.device, args.tiny, args.out))
     except BaseException as err:  # recorded, then the process fails

@@ -15,7 +15,7 @@ from importlib import metadata
 
 import torch
 
-from hilore_verl.gpucheck.stage import Context, StageReport
+from hilore_verl.gpucheck.context import Context, StageReport, cosine, tiny_policy
 from hilore_verl.kernels import reference, triton_check, triton_codec
 
 PACKAGES = ("torch", "triton", "transformers", "numpy", "verl", "ray")
@@ -29,15 +29,11 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _device(ctx: Context) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")
-
-
 # ---------------------------------------------------------------------------------------------- environment
 def environment(report: StageReport, ctx: Context) -> None:
     report.figure("versions", {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES},
                                "torch_cuda": torch.version.cuda, "hilore_verl": _hilore_version()})
-    device = _device(ctx)
+    device = ctx.torch_device()
     if ctx.device == "cuda":
         if not report.check("CUDA device", torch.cuda.is_available(), "torch.cuda.is_available()"):
             return
@@ -100,7 +96,7 @@ def codecs(report: StageReport, ctx: Context) -> None:
     Python number as a product with its reciprocal, so its own results there may differ in the last bit)."""
     from hilore_verl.kernels import FORMATS
 
-    device = _device(ctx)
+    device = ctx.torch_device()
     gen = torch.Generator(device="cpu").manual_seed(0)
     failures, cases = [], 0
     for shape, group, dtypes, rounding in _codec_cases(ctx.tiny):
@@ -183,29 +179,12 @@ def _bandwidth(report: StageReport, ctx: Context, device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- runtime
-def _tiny_policy(ctx: Context):
-    from hilore_verl.tiny_models import build_tiny_model
-
-    size = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=512) if ctx.tiny else \
-        dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=8192)
-    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
-    return build_tiny_model("qwen2", dtype=dtype, **size).to(_device(ctx)).train(), size["vocab_size"]
-
-
 def _grads(model, ids: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, use_cache=False).logits
     loss = torch.log_softmax(logits.float(), -1)[..., :16].mean()  # every position, several classes
     loss.backward()
     return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
-    x = torch.cat([g.flatten().double() for g in a])
-    y = torch.cat([g.flatten().double() for g in b])
-    return float(x @ y / (x.norm() * y.norm())), float((x - y).norm() / y.norm())
 
 
 def _mixes(units) -> dict[str, dict[str, str]]:
@@ -227,12 +206,12 @@ def runtime(report: StageReport, ctx: Context) -> None:
     import hilore_verl
     from hilore_verl import Plan
 
-    device = _device(ctx)
+    device = ctx.torch_device()
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    plain, vocab = _tiny_policy(ctx)
+    plain, vocab = tiny_policy(ctx)
     model = copy.deepcopy(plain)
     rt = hilore_verl.attach(model)
     tokens = 96 if ctx.tiny else 1024
@@ -250,7 +229,7 @@ def runtime(report: StageReport, ctx: Context) -> None:
     cosines = {}
     for fmt, bound in BOUNDS.items():
         rt.set_plan(Plan(default=fmt))
-        cos, rel = _cosine(_grads(model, ids), _grads(plain, ids))
+        cos, rel = cosine(_grads(model, ids), _grads(plain, ids))
         cosines[fmt] = {"cosine": round(cos, 6), "rel_error": round(rel, 5)}
         report.check(f"{fmt} everywhere: gradient cosine >= {bound}", cos >= bound, f"cosine {cos:.6f}, rel {rel:.4f}")
     report.figure("compressed_gradients", cosines)
