@@ -9,8 +9,8 @@ supplies two small objects:
 
 Order of one mini-batch (`Session.train`):
 
-  first call      profile the cost table and calibrate the risk model on a probe (or take both
-                  from a checkpoint), average them over ranks, build the controller
+  first call      profile the cost table and calibrate the risk model on a probe, averaged over
+                  ranks (calibration.py; or both from a checkpoint), build the controller
   every call      step += 1; the controller gets every micro-batch's exposure and tokens,
                   reduced over ranks; an audit every `audit_every` steps; the framework's
                   step under out-of-memory retries; the mini-batch's measured peak (max over
@@ -34,19 +34,17 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from hilore_verl import calibration
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.exposure import read_floats
 from hilore_verl.peak_memory import PeakMeter
-from hilore_verl.planner import Controller, profile
-from hilore_verl.planner.costs import measured_values, set_measured_values
-from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
+from hilore_verl.planner import Controller
 from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
-from hilore_verl.risk import GradientAudit, RiskModel, calibrate_by_group
+from hilore_verl.risk import GradientAudit
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 from hilore_verl.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
-HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's second probe
 
 
 class Passes(Protocol):
@@ -150,90 +148,13 @@ class Session:
             logger.warning("hilore-verl: resumed from the checkpoint's costs and calibration (%d units, no probes)",
                            len(self.runtime.units))
             return
-        passes, c = self.passes, self.config
-        bound = probe_token_bound(c.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
-        probe = self._probe(micro_batches[0], bound)  # whole sequences, at most `bound` tokens
-        lengths = passes.lengths(probe)
-        half = half_probe(lengths, list(range(len(lengths))))
-        small = passes.select(probe, half) if half is not None else None
-        # the half probe must compute about half the probe's tokens: sequences sharing one prompt
-        # (hilore.shared_prompt) halve the row but not the prompt, and a second probe barely smaller
-        # than the first would read noise as growth faster than linear (then every figure scales linearly)
-        if small is not None and passes.layer_tokens(small) > HALF_PROBE_AT_MOST * passes.layer_tokens(probe):
-            small = None
-        # ranks run the same probe passes (FSDP collectives): the half probe only where every rank has one
-        if not self.collectives.reduce([float(small is not None)], "min")[0]:
-            small = None
-
-        def run(batch):
-            return lambda: passes.train_pass(batch)
-
-        # a probe whose sequences share prompts: its half shares differently, so the pair prices no quadratic
-        # growth (the attention's segment squares and the head's share of response tokens change with
-        # the groups, not with the tokens); every rank the same way
-        quadratic = self.collectives.reduce([float(passes.layer_tokens(probe) == sum(lengths))], "min")[0] > 0
-        costs = profile(self.runtime, run(probe), passes.layer_tokens(probe), element_size=passes.element_size,
-                        formats=c.formats, offload=c.offload, group_size=c.group_size, quadratic=quadratic,
-                        small=None if small is None else (run(small), passes.layer_tokens(small)))
-        risk = None
-        if c.risk_budget > 0 and passes.has_coefficients:
-            # calibrate on the local micro-batch with the most exposure
-            exposures = [passes.coefficients(mb) for mb in micro_batches]
-            best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
-            batch = self._probe(micro_batches[best], bound, priority=exposures[best].pow(2).sum(-1).tolist())
-            coeff = passes.coefficients(batch)  # the most exposed sequences that fit the bound
-            risk = calibrate_by_group(lambda plan: self._surrogate(plan, batch, coeff),
-                                     [u.name for u in self.runtime.units], float(coeff.pow(2).sum().sqrt()),
-                                     fmts=c.formats[:1], group_size=c.group_size, model=RiskModel(),
-                                     groups={u.name: u.group for u in self.runtime.units})
-        self._average_over_ranks(costs, risk)
-        passes.zero_grad()
-        self.runtime.set_plan({})
+        costs, risk = calibration.measure(self.config, self.runtime, self.passes, self.collectives, micro_batches)
         self.controller = self._make_controller(costs, risk)
-        largest = max(sum(passes.lengths(mb)) for mb in micro_batches)  # GC's peak as without shared prompts
+        largest = max(sum(self.passes.lengths(mb)) for mb in micro_batches)  # GC's peak as without shared prompts
         gc_peak = self.controller.predicted_peak(self.controller.gc_plan(), largest)
         logger.warning("hilore-verl: planning under %.3f GiB (gradient checkpointing needs %.3f GiB at %d tokens per "
                        "micro-batch) with %d units, profiled on %d tokens", self.controller.memory_budget_at(largest)
                        / 2**30, gc_peak / 2**30, largest, len(costs.units), costs.tokens)
-
-    def _probe(self, micro_batch, bound: int, priority=None):
-        """Whole sequences of `micro_batch` up to `bound` tokens (planner/probe.py)."""
-        lengths = self.passes.lengths(micro_batch)
-        index = probe_indices(lengths, bound, priority)
-        return micro_batch if len(index) == len(lengths) else self.passes.select(micro_batch, index)
-
-    def _surrogate(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor:
-        """This rank's gradient of sum_t c_t log p_t under `plan`; units it does not name are
-        recomputed (exact, and the least memory)."""
-        full = {u.name: RECOMPUTE for u in self.runtime.units}
-        full.update(plan)
-        return self.passes.surrogate_gradient(full, batch, c)
-
-    def _average_over_ranks(self, costs, risk) -> None:
-        """Every rank must plan from the same numbers: average the measured ones (a fixed-length
-        vector on every rank; a sensitivity only where some rank measured it)."""
-        if self.collectives.world_size == 1:
-            return
-        names = [u.name for u in costs.units]
-        figures = measured_values(costs)
-        values = figures + [float(costs.tokens)]
-        if risk is not None:
-            for n in names:  # (sum of log sensitivity, how many ranks measured it)
-                measured = n in risk.sensitivity
-                values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
-            values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
-        world = self.collectives.world_size
-        it = iter(self.collectives.reduce(values, "sum"))
-        set_measured_values(costs, [next(it) / world for _ in figures])
-        costs.tokens = int(round(next(it) / world))
-        if risk is not None:
-            risk.sensitivity.clear()
-            for n in names:
-                total, count = next(it), next(it)
-                if count:
-                    risk.sensitivity[n] = math.exp(total / count)
-            total, count = next(it), next(it)
-            risk.grad_scale = total / count if count else None
 
     # ------------------------------------------------------------------ one mini-batch
     def train(self, micro_batches: list, step: Callable[[], Any], tokens: Callable[[Any], int]) -> tuple[Any, dict]:
@@ -340,8 +261,8 @@ class Session:
             return None
         batch, c = micro_batches[index], coefficients[index]
         plan = self.controller.plan_micro_batch(index)
-        approx = self._surrogate(self.controller.runtime_plan(plan), batch, c)
-        exact = self._surrogate({}, batch, c)
+        approx = calibration.surrogate(self.runtime, self.passes, self.controller.runtime_plan(plan), batch, c)
+        exact = calibration.surrogate(self.runtime, self.passes, {}, batch, c)
         self.passes.zero_grad()
         return self.controller.record_audit(self.step, exact, approx, exposure_l2[index],
                                             reduce=None if self.collectives.world_size == 1 else self.collectives.sum_)

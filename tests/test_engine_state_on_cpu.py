@@ -126,13 +126,13 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 
 def _audits(rank, world_size, model_dir, batch):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.planner.controller import Controller
     from hilore_verl.runtime import Mode, UnitPlan
 
-    session_module.profile = _gpu_like_profile(session_module.profile)
+    calibration.profile = _gpu_like_profile(calibration.profile)
     picked = []  # the micro-batch each audit chose
     choose = getattr(Controller, "audit_micro_batch", None)
     if choose is not None:
@@ -187,14 +187,14 @@ def test_audits_sample_an_exposed_micro_batch_and_report_only_when_run(tmp_path)
 def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     import torch.distributed as dist
 
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     import hilore_verl.integration.actor.controller_file as controller_file
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     profiles = []
-    real = _gpu_like_profile(session_module.profile)
-    session_module.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
+    real = _gpu_like_profile(calibration.profile)
+    calibration.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
     handler = _Messages()
     logging.getLogger("hilore_verl").addHandler(handler)
     loss_fn = ppo_loss_fn(actor_config())

@@ -114,12 +114,12 @@ SETTINGS = {"exact": {"risk_budget": 0.0},
 
 
 def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
-    session_module.profile = _gpu_like_profile(session_module.profile)  # plans that do not depend on timing
+    calibration.profile = _gpu_like_profile(calibration.profile)  # plans that do not depend on timing
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -224,12 +224,12 @@ def test_without_a_snapshot_a_fault_in_the_optimizer_step_stops_training(tmp_pat
 
 def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     """Faults in the first step's profiling and in an audit; a budget measured from free memory."""
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.test_hilore_engine_on_cpu import _gpu_like_profile
 
-    session_module.profile = _gpu_like_profile(session_module.profile)
+    calibration.profile = _gpu_like_profile(calibration.profile)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,

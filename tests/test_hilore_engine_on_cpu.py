@@ -51,11 +51,11 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 
 def _compare(rank, world_size, model_dir, batch, risk_budget):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    session_module.profile = _gpu_like_profile(session_module.profile)
+    calibration.profile = _gpu_like_profile(calibration.profile)
 
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
@@ -101,13 +101,13 @@ def test_hilore_engine_against_stock_verl(tmp_path, risk_budget):
 
 
 def _save_and_resume(rank, world_size, model_dir, batch, ckpt_dir):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     profiles = []
-    real = _gpu_like_profile(session_module.profile)
-    session_module.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
+    real = _gpu_like_profile(calibration.profile)
+    calibration.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
     config = actor_config()
     section = {"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 0}
 
@@ -139,11 +139,11 @@ def test_checkpoint_keeps_the_controller_state(tmp_path):
 
 
 def _audit_and_oom(rank, world_size, model_dir, batch):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    session_module.profile = _gpu_like_profile(session_module.profile)
+    calibration.profile = _gpu_like_profile(calibration.profile)
     config = actor_config()
     loss_fn = ppo_loss_fn(config)  # no actor_config passed: the engine takes it from the bound loss
 

@@ -93,11 +93,11 @@ def _count_forward_steps(engine) -> list[list]:
 
 
 def _forward_reads(rank, world_size, model_dir, batch, hilore):
-    import hilore_verl.session as session_module
+    import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    session_module.profile = _gpu_like_profile(session_module.profile)
+    calibration.profile = _gpu_like_profile(calibration.profile)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     stock = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True)

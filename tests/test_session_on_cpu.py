@@ -12,15 +12,14 @@ import pytest
 import torch
 
 import hilore_verl
-import hilore_verl.session as session_module
+import hilore_verl.calibration as calibration
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.planner.costs import measured_values
 from hilore_verl.recovery import StepSnapshot, reset_after_failure
 from hilore_verl.session import Session
 from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.workload import GRPOWorkload, make_grpo_batch, response_log_probs
 from tests.harness.distributed import run_on_ranks
-from hilore_verl.workload import response_log_probs
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=40)
 
@@ -140,8 +139,8 @@ def _oom_once_in(model, forward_index: int):
 @pytest.fixture
 def counted_profiles(monkeypatch):
     calls = []
-    real = session_module.profile
-    monkeypatch.setattr(session_module, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = calibration.profile
+    monkeypatch.setattr(calibration, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -245,14 +244,13 @@ def _averaged(rank, world_size):
 
     model = build_tiny_model("qwen2", seed=0).train()
     runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
-    session = Session(HiLoReConfig(enable=True), runtime, PlainPasses(model, runtime, None), DataParallel(None, 30))
     batch = _micro_batches(0)[0]
-    costs = session_module.profile(runtime, lambda: PlainPasses(model, runtime, None).train_pass(batch), 100)
+    costs = calibration.profile(runtime, lambda: PlainPasses(model, runtime, None).train_pass(batch), 100)
     # each rank measured different numbers: rank r's are (r + 1) times a common table
     values = [v * (rank + 1) for v in measured_values(costs)]
-    session_module.set_measured_values(costs, values)
+    calibration.set_measured_values(costs, values)
     costs.tokens = 100 * (rank + 1)
-    session._average_over_ranks(costs, None)
+    calibration.average_over_ranks(DataParallel(None, 30), costs, None)
     return values, measured_values(costs), costs.tokens, [f.name for f in dataclasses.fields(costs.units[0])]
 
 

@@ -1,0 +1,120 @@
+"""What the first mini-batch measures before it trains: the cost table and the risk model.
+
+`measure` profiles the cost table on a probe of this rank's micro-batches (whole sequences, at most
+`hilore.profile_tokens` tokens; a half probe beside it prices growth with the tokens) and calibrates
+the risk model on the most exposed sequences that fit the same bound, then averages both over the
+data-parallel ranks so every rank plans from the same numbers. `Session.build_controller` calls it
+once per run (a resumed run takes both from its checkpoint instead). Free of verl and of
+torch.distributed: the framework's passes and collectives are the session's (session.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hilore_verl.config import HiLoReConfig
+from hilore_verl.planner import profile
+from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
+from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
+from hilore_verl.risk import RiskModel, calibrate_by_group
+from hilore_verl.runtime import RECOMPUTE, Runtime, UnitPlan
+
+HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's second probe
+
+
+def measure(config: HiLoReConfig, runtime: Runtime, passes, collectives,
+            micro_batches: list) -> tuple[CostTable, RiskModel | None]:
+    """The cost table and (with a risk budget and known coefficients) the risk model, measured on
+    probes of `micro_batches` (this rank's) and averaged over ranks; the runtime's plan is reset."""
+    bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
+    costs = _profile(config, runtime, passes, collectives, probe(passes, micro_batches[0], bound))
+    risk = None
+    if config.risk_budget > 0 and passes.has_coefficients:
+        risk = _calibrate(config, runtime, passes, micro_batches, bound)
+    average_over_ranks(collectives, costs, risk)
+    passes.zero_grad()
+    runtime.set_plan({})
+    return costs, risk
+
+
+def probe(passes, micro_batch, bound: int, priority=None):
+    """Whole sequences of `micro_batch` up to `bound` tokens (planner/probe.py)."""
+    lengths = passes.lengths(micro_batch)
+    index = probe_indices(lengths, bound, priority)
+    return micro_batch if len(index) == len(lengths) else passes.select(micro_batch, index)
+
+
+def surrogate(runtime: Runtime, passes, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient of sum_t c_t log p_t under `plan`; units it does not name are
+    recomputed (exact, and the least memory)."""
+    full = {u.name: RECOMPUTE for u in runtime.units}
+    full.update(plan)
+    return passes.surrogate_gradient(full, batch, c)
+
+
+def _profile(config: HiLoReConfig, runtime: Runtime, passes, collectives, batch) -> CostTable:
+    """The cost table from training passes on `batch` and, where it pays, on half its sequences."""
+    lengths = passes.lengths(batch)
+    half = half_probe(lengths, list(range(len(lengths))))
+    small = passes.select(batch, half) if half is not None else None
+    # the half probe must compute about half the probe's tokens: sequences sharing one prompt
+    # (hilore.shared_prompt) halve the row but not the prompt, and a second probe barely smaller
+    # than the first would read noise as growth faster than linear (then every figure scales linearly)
+    if small is not None and passes.layer_tokens(small) > HALF_PROBE_AT_MOST * passes.layer_tokens(batch):
+        small = None
+    # ranks run the same probe passes (FSDP collectives): the half probe only where every rank has one
+    if not collectives.reduce([float(small is not None)], "min")[0]:
+        small = None
+
+    def run(b):
+        return lambda: passes.train_pass(b)
+
+    # a probe whose sequences share prompts: its half shares differently, so the pair prices no quadratic
+    # growth (the attention's segment squares and the head's share of response tokens change with
+    # the groups, not with the tokens); every rank the same way
+    quadratic = collectives.reduce([float(passes.layer_tokens(batch) == sum(lengths))], "min")[0] > 0
+    return profile(runtime, run(batch), passes.layer_tokens(batch), element_size=passes.element_size,
+                   formats=config.formats, offload=config.offload, group_size=config.group_size,
+                   quadratic=quadratic, small=None if small is None else (run(small), passes.layer_tokens(small)))
+
+
+def _calibrate(config: HiLoReConfig, runtime: Runtime, passes, micro_batches: list, bound: int) -> RiskModel:
+    """Sensitivities per calibration group, on the local micro-batch with the most exposure (its most
+    exposed sequences that fit `bound`)."""
+    exposures = [passes.coefficients(mb) for mb in micro_batches]
+    best = max(range(len(micro_batches)), key=lambda i: float(exposures[i].pow(2).sum()))
+    batch = probe(passes, micro_batches[best], bound, priority=exposures[best].pow(2).sum(-1).tolist())
+    coeff = passes.coefficients(batch)
+    return calibrate_by_group(lambda plan: surrogate(runtime, passes, plan, batch, coeff),
+                              [u.name for u in runtime.units], float(coeff.pow(2).sum().sqrt()),
+                              fmts=config.formats[:1], group_size=config.group_size, model=RiskModel(),
+                              groups={u.name: u.group for u in runtime.units})
+
+
+def average_over_ranks(collectives, costs: CostTable, risk: RiskModel | None) -> None:
+    """Every rank must plan from the same numbers: average the measured ones (a fixed-length
+    vector on every rank; a sensitivity only where some rank measured it)."""
+    if collectives.world_size == 1:
+        return
+    names = [u.name for u in costs.units]
+    figures = measured_values(costs)
+    values = figures + [float(costs.tokens)]
+    if risk is not None:
+        for n in names:  # (sum of log sensitivity, how many ranks measured it)
+            measured = n in risk.sensitivity
+            values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
+        values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
+    world = collectives.world_size
+    it = iter(collectives.reduce(values, "sum"))
+    set_measured_values(costs, [next(it) / world for _ in figures])
+    costs.tokens = int(round(next(it) / world))
+    if risk is not None:
+        risk.sensitivity.clear()
+        for n in names:
+            total, count = next(it), next(it)
+            if count:
+                risk.sensitivity[n] = math.exp(total / count)
+        total, count = next(it), next(it)
+        risk.grad_scale = total / count if count else None
