@@ -226,4 +226,8 @@ def test_a_standalone_calls_saved_inputs_are_its_units_and_fixed_memory_in_the_p
         step(model, rt.call)
         stats = rt.stats()
         measured = stats.stored_bytes + stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
-        assert ctl.held_bytes(plan, tokens) == pytest.approx(measured, rel=0.1), plan_mode
+        print(f"\nhead {mode}, every unit {plan_mode}: predicted / measured held bytes "
+              f"{ctl.held_bytes(plan, tokens) / measured:.4f}")
+        # docs/design.md: keep / recompute within 0.1%, compressed within 5% (measured 1.0000 and 1.0163)
+        rel = 1e-3 if plan_mode in ("keep", "recompute") else 0.05
+        assert ctl.held_bytes(plan, tokens) == pytest.approx(measured, rel=rel), plan_mode

@@ -50,7 +50,8 @@ def test_codec_errors_are_measured_and_ordered():
     assert codec_error("int8", 32) < codec_error("int8", 128)
 
 
-def test_predictions_within_a_factor_two_on_held_out_micro_batches(calibrated):
+def test_predictions_within_the_stated_bound_on_held_out_micro_batches(calibrated):
+    """docs/design.md: measured / predicted in [0.6, 1.4] on held-out micro-batches (measured 0.65-1.30)."""
     model, rt, units, risk = calibrated
     figures = []
     for seed in (10, 11, 12, 13):
@@ -63,7 +64,7 @@ def test_predictions_within_a_factor_two_on_held_out_micro_batches(calibrated):
             predicted = risk.predict(plan, e2)
             figures.append((seed, sorted(set(plan.values())), len(plan), measured / predicted))
     print("\nheld-out measured / predicted:", [f"{s}:{fm}x{n}={r:.2f}" for s, fm, n, r in figures])
-    assert all(0.5 <= r <= 2.0 for *_, r in figures), figures
+    assert all(0.6 <= r <= 1.4 for *_, r in figures), figures
 
 
 def test_zero_exposure_means_zero_risk(calibrated):
