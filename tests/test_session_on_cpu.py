@@ -153,7 +153,7 @@ def test_keep_and_recompute_plans_update_bitwise_as_plain_pytorch(counted_profil
         assert metrics["hilore/oom_retries"] == 0.0 and "hilore/plan/predicted_peak_gib" in metrics
     assert counted_profiles == [1] and session.step == 3
     modes = {m for record in session.controller.history for m in record.plan.values()}
-    assert modes <= {"keep", "recompute"}, modes
+    assert modes == {"keep", "recompute"}, modes  # a mix: neither GC's plan nor no GC's
     assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(plain)))
 
 
