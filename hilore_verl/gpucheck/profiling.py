@@ -14,8 +14,6 @@ import os
 import pstats
 import time
 
-import torch
-
 from hilore_verl.gpucheck.context import Context, StageReport
 
 TOP = 12

@@ -16,8 +16,8 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint
     (`hilore_controller.json`: plain JSON, validated on load; a bad file re-profiles).
 
-`VerlPasses` is what the session asks of verl (forward + backward passes, loss coefficients);
-`collectives.py` holds the data-parallel reductions. This file decides nothing.
+`VerlPasses` (passes.py) is what the session asks of verl (forward + backward passes, loss
+coefficients); `collectives.py` holds the data-parallel reductions. This file decides nothing.
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ from hilore_verl import exposure, skip
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor.collectives import collectives_for
 from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
-from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
+from hilore_verl.integration.actor.device_memory import compute_device
+from hilore_verl.integration.actor.passes import VerlPasses, padded, sequence_lengths_tensor
 from hilore_verl.integration.actor.loss import actor_exposure, batch_skip_refusal, loss_coefficients, skip_refusal
 from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
-from hilore_verl.recovery import StepSnapshot, reset_after_failure
+from hilore_verl.recovery import StepSnapshot
 from hilore_verl.session import Session
 from verl.utils import tensordict_utils as tu
-from verl.utils.device import get_device_id, get_torch_device
+from verl.utils.device import get_device_id
 from verl.utils.seqlen_balancing import rearrange_micro_batches
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -59,103 +60,6 @@ def check_codec_device(config: HiLoReConfig, device: torch.device) -> bool:
     from hilore_verl.kernels import triton_status
 
     return triton_status(device)[0]
-
-
-def _padded(data, key):
-    value = data[key]
-    return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
-
-
-def _sequence_lengths_tensor(data) -> torch.Tensor:
-    """Tokens per sequence of a batch (nested: its offsets; padded: its attention mask), unread."""
-    ids = data["input_ids"]
-    if ids.is_nested:
-        return ids.offsets().diff()
-    if "attention_mask" in data:
-        return data["attention_mask"].sum(-1)
-    return torch.full((ids.shape[0],), ids.shape[-1])
-
-
-def _sequence_lengths(data) -> list[int]:
-    return _sequence_lengths_tensor(data).tolist()
-
-
-class VerlPasses:
-    """What the session asks of verl's FSDP engine (session.Passes): passes run through verl's own
-    forward_step, without the session's per-micro-batch hooks."""
-
-    def __init__(self, engine: "HiLoReFSDPEngine"):
-        self.engine = engine
-        self.loss_function = None  # the current train_batch's loss
-
-    @property
-    def element_size(self) -> int:
-        e = self.engine
-        return next(e.module.parameters()).element_size() if e._autocast_dtype == torch.float32 else 2
-
-    @property
-    def has_coefficients(self) -> bool:
-        return self.engine.actor_config is not None
-
-    def lengths(self, batch) -> list[int]:
-        return _sequence_lengths(batch)
-
-    def layer_tokens(self, batch) -> int:
-        shared = self.engine._shared
-        return shared.tokens(batch) if shared is not None else int(batch["input_ids"].values().numel())
-
-    def select(self, batch, index: list[int]):
-        return tu.index_select_tensor_dict(batch, index)
-
-    def _run(self, batch, loss_function) -> None:
-        """Forward + backward of one micro-batch; grads are left in .grad, no optimizer step."""
-        e = self.engine
-        e.optimizer.zero_grad()
-        value, _ = e.plain_forward_step(batch, loss_function)
-        value.backward()
-
-    def train_pass(self, batch) -> None:
-        self._run(batch, self.loss_function)
-
-    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> torch.Tensor:
-        """This rank's gradient shard of sum_t c_t log p_t under `plan`."""
-        def surrogate(model_output, data, dp_group=None):
-            log_prob = no_padding_2_padding(model_output["log_probs"], data)
-            return (log_prob * c.to(log_prob.dtype)).sum(), {}
-
-        self.engine.runtime.set_plan(plan)
-        self._run(batch, surrogate)
-        return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten()
-                          for p in self.engine.module.parameters()])
-
-    def coefficients(self, batch) -> torch.Tensor:
-        return self.engine._coefficients(batch)
-
-    def exposure_l2(self, batch, log_prob=None) -> torch.Tensor:
-        return self.engine._exposure_l2(batch, log_prob)
-
-    def zero_grad(self) -> None:
-        self.engine.optimizer.zero_grad()
-
-    def recover(self) -> None:
-        reset_after_failure(self.engine.module, self.engine.optimizer)
-        self.empty_cache()
-
-    def empty_cache(self) -> None:
-        get_torch_device().empty_cache()
-
-    def static_bytes(self) -> float:
-        """Parameter shards, their gradients and two fp32 Adam states per element, on this rank."""
-        total = 0.0
-        for p in self.engine.module.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * (2 * local.element_size() + 8)
-        return total
-
-    def free_bytes(self) -> float:
-        # measured now, when the actor trains, on the device it computes on (a parameter may be
-        # on the host under FSDP2's parameter offload; see device_memory.py)
-        return available_bytes(compute_device(), self.engine.get_data_parallel_group())
 
 
 BACKEND = "hilore_fsdp2"
@@ -241,18 +145,18 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.actor_config is None:
             return
         keys = ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
-        tensors = {k: _padded(data, k) for k in keys if k in data}
+        tensors = {k: padded(data, k) for k in keys if k in data}
         names = {"old_log_probs": "old_log_prob"}
-        exposure.check_values(_padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
+        exposure.check_values(padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
 
     def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
         """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it
         (its inputs' values were checked with the mini-batch's: `_check_inputs`)."""
-        mask = _padded(micro_batch, "response_mask")
-        old = _padded(micro_batch, "old_log_probs")
-        optional = {k: _padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
+        mask = padded(micro_batch, "response_mask")
+        old = padded(micro_batch, "old_log_probs")
+        optional = {k: padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
         return loss_coefficients(old if log_prob is None else log_prob.to(old.device), old,
-                                 _padded(micro_batch, "advantages"), mask, self.actor_config,
+                                 padded(micro_batch, "advantages"), mask, self.actor_config,
                                  check=False, **optional)
 
     def _exposure_l2(self, micro_batch, log_prob=None) -> torch.Tensor:
@@ -263,7 +167,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             return torch.ones(())
         c = self._coefficients(micro_batch, log_prob)
         vocab = self._vocab_size() if getattr(self.actor_config, "entropy_coeff", 0) else None
-        return actor_exposure(c, _padded(micro_batch, "response_mask"), self.actor_config,
+        return actor_exposure(c, padded(micro_batch, "response_mask"), self.actor_config,
                               vocab).l2_tensor()
 
     def _exact_exposure(self, micro_batch, output):
@@ -352,9 +256,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
 
     def _zero_exposure(self, data) -> tuple[list[bool], list[int]]:
         """Per sequence: no advantage on any response token (read with the token counts, in one transfer)."""
-        advantages, mask = _padded(data, "advantages"), _padded(data, "response_mask").bool()
+        advantages, mask = padded(data, "advantages"), padded(data, "response_mask").bool()
         moved = ((advantages != 0) & mask).any(-1)
-        lengths = torch.as_tensor(_sequence_lengths_tensor(data), device=moved.device)
+        lengths = torch.as_tensor(sequence_lengths_tensor(data), device=moved.device)
         both = torch.stack([moved.to(torch.long), lengths.to(torch.long)]).tolist()
         return [not m for m in both[0]], both[1]
 
