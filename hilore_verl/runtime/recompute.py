@@ -18,9 +18,49 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from hilore_verl.runtime.plan import Mode
 from hilore_verl.runtime.records import Checked, Region, map_tree, tensor_leaves
 
 CACHE_KWARGS = ("past_key_values", "past_key_value")
+
+
+class Reruns:
+    """Which calls run again in backward under a plan, from the units' module structure. Per unit module:
+    whether its call runs again (its unit, or a unit called inside it, recomputes). Per block: whether
+    it is one region (any of its outermost unit calls runs again: a mixed layer re-runs once, its kept
+    and compressed calls replayed). Per outermost call that does not run again: ("replay", module),
+    whether a call after it in the block does (its output is then held for the re-run; after the last
+    re-run call the re-run has stopped). The last plan list's answer is cached (plans change per
+    micro-batch, forwards happen per call)."""
+
+    def __init__(self, units, module_unit: dict[nn.Module, Any]):
+        # unit indices whose calls run inside each unit module's call, its own included
+        self.subtree = {m: tuple({module_unit[d].index for d in m.modules() if d in module_unit})
+                        for m in module_unit}
+        self.blocks: dict[nn.Module, list[nn.Module]] = {}  # decoder block -> its outermost unit modules
+        for block in {id(u.block): u.block for u in units if u.block is not None}.values():
+            mods = [m for u in units if u.block is block for m in u.modules]
+            self.blocks[block] = [m for m in mods if not any(p is not m and any(d is m for d in p.modules())
+                                                             for p in mods)]
+        self._cache: tuple[list | None, dict] = (None, {})
+
+    def of(self, plans: list) -> dict:
+        """The rerun map for `plans` (one UnitPlan per unit, by index)."""
+        cached_plans, rerun = self._cache
+        if cached_plans is not plans:
+            rerun = {m: any(plans[i].mode == Mode.RECOMPUTE for i in subtree) for m, subtree in self.subtree.items()}
+            for block, tops in self.blocks.items():
+                runs = [rerun[m] for m in tops]
+                rerun[block] = any(runs)
+                last = max((j for j, r in enumerate(runs) if r), default=-1)
+                rerun.update({("replay", m): j < last for j, m in enumerate(tops) if not runs[j]})
+            self._cache = (plans, rerun)
+        return rerun
+
+    def whole_blocks(self, plans: list) -> int:
+        """Blocks whose every outermost unit call runs again: those hold only their inputs."""
+        rerun = self.of(plans)
+        return sum(bool(tops) and all(rerun[m] for m in tops) for tops in self.blocks.values())
 
 
 @dataclass

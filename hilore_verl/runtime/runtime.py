@@ -22,19 +22,19 @@ import contextlib
 import weakref
 from collections import deque
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from dataclasses import dataclass
+from typing import Mapping, Union
 
 import torch
 import torch.nn as nn
 
 from hilore_verl import checks
+from hilore_verl.runtime.forward import Forward
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
-from hilore_verl.runtime.recompute import HeldInput, Replay, autocast_state, rerun, rng_like, rng_state
-from hilore_verl.runtime.records import (CallRecord, Dropped, LiveKeyMap, Region, WaitCount, map_tensors, storage_id,
-                                         tensor_leaves)
+from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_state, rerun, rng_like, rng_state
+from hilore_verl.runtime.records import CallRecord, Dropped, Region, WaitCount, map_tensors, tensor_leaves
 from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensorHooks, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
@@ -53,34 +53,6 @@ class RuntimeConfig:
         checks.integer("RuntimeConfig.seed", self.seed)
 
 
-@dataclass
-class _Entry:
-    """A registered boundary tensor: who produced it and where to find it again."""
-    unit: RecoveryUnit | None  # None: produced outside every unit (embedding, rotary tables, residual stream)
-    record: CallRecord | None
-    locator: tuple | None
-    anchor: Any  # weakref to the registered tensor
-
-
-@dataclass
-class _Forward:
-    """State of one grad-enabled forward of the root module (or of `tracking` / a standalone `call`)."""
-    plans: list[UnitPlan]  # the plan in force when the forward started
-    owner: str = "root"
-    frames: list[CallRecord] = field(default_factory=list)
-    registry: dict[int, _Entry] = field(default_factory=dict)
-    compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
-    # storage made outside units -> (the unit that adopted it or None, whether it is held exact as a recomputed
-    # call's input): saving._adopted
-    adopted: LiveKeyMap = field(default_factory=LiveKeyMap)
-    stats: StepStats | None = None
-    rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
-    region: Region | None = None  # the region being recorded
-    top: CallRecord | None = None  # a block region's own code
-    tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
-    inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
-
-
 class Runtime(SavedTensorHooks):
     """Executes a Plan on a model's recovery units. Create with `hilore_verl.attach(model)`."""
 
@@ -90,20 +62,12 @@ class Runtime(SavedTensorHooks):
         self.config = config
         self._by_name = {u.name: u for u in units}
         self._module_unit: dict[nn.Module, RecoveryUnit] = {m: u for u in units for m in u.modules}
-        # unit indices whose calls run inside each unit module's call, its own included
-        self._subtree = {m: tuple({self._module_unit[d].index for d in m.modules() if d in self._module_unit})
-                         for m in self._module_unit}
-        self._blocks: dict[nn.Module, list[nn.Module]] = {}  # decoder block -> its outermost unit modules
-        for block in {id(u.block): u.block for u in units if u.block is not None}.values():
-            mods = [m for u in units if u.block is block for m in u.modules]
-            self._blocks[block] = [m for m in mods if not any(p is not m and any(d is m for d in p.modules())
-                                                              for p in mods)]
-        self._rerun_cache: tuple[list | None, dict] = (None, {})
+        self._reruns = Reruns(units, self._module_unit)
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
         self._hands_off = False  # every unit kept under a training plan: forwards run as the plain model's
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
-        self._fwd: _Forward | None = None
+        self._fwd: Forward | None = None
         self._hook_ctx: ExitStack | None = None
         self._replay: Replay | None = None
         self._rehooked = False  # unit hooks re-installed for a recompute after detach
@@ -157,9 +121,7 @@ class Runtime(SavedTensorHooks):
     def whole_blocks(self, plan: Union[Plan, Mapping[str, PlanValue]]) -> int:
         """How many decoder blocks re-run whole under `plan` (every outermost unit call of the block runs
         again): those hold only their inputs, as a checkpointed layer does."""
-        plans = Plan.of(plan).resolve([u.name for u in self.units])
-        rerun = self._reruns(plans)
-        return sum(bool(tops) and all(rerun[m] for m in tops) for tops in self._blocks.values())
+        return self._reruns.whole_blocks(Plan.of(plan).resolve([u.name for u in self.units]))
 
     @property
     def hands_off(self) -> bool:
@@ -219,7 +181,7 @@ class Runtime(SavedTensorHooks):
         self._installed.take_over_gradient_checkpointing(u.block for u in self.units if u.block is not None)
         self._installed.hook_root(self.model, self._root_pre, self._root_post)
         self._installed.hook_units(self._module_unit, self._unit_pre, self._unit_post, self._replaying_forward)
-        self._installed.hook_blocks(self._blocks, self._block_pre, self._block_post)
+        self._installed.hook_blocks(self._reruns.blocks, self._block_pre, self._block_post)
         self.attached = True
 
     @contextlib.contextmanager
@@ -260,8 +222,8 @@ class Runtime(SavedTensorHooks):
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self._compressions = 0
-        self._fwd = _Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
-                             rerun=self._reruns(self._plans))
+        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
+                             rerun=self._reruns.of(self._plans))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
 
@@ -274,23 +236,6 @@ class Runtime(SavedTensorHooks):
             self._last = self._last.merged(summary) if merge else summary
         finally:
             self.reset()
-
-    def _reruns(self, plans: list[UnitPlan]) -> dict:
-        """Per unit module: whether its call runs again in backward (its unit, or a unit called inside
-        it, recomputes). Per block: whether it is one region (any of its outermost unit calls runs
-        again: a mixed layer re-runs once, its kept and compressed calls replayed). Per outermost call
-        that does not run again: ("replay", module), whether a call after it in the block does (its
-        output is then held for the re-run; after the last re-run call the re-run has stopped)."""
-        cached_plans, rerun = self._rerun_cache
-        if cached_plans is not plans:
-            rerun = {m: any(plans[i].mode == Mode.RECOMPUTE for i in subtree) for m, subtree in self._subtree.items()}
-            for block, tops in self._blocks.items():
-                runs = [rerun[m] for m in tops]
-                rerun[block] = any(runs)
-                last = max((j for j, r in enumerate(runs) if r), default=-1)
-                rerun.update({("replay", m): j < last for j, m in enumerate(tops) if not runs[j]})
-            self._rerun_cache = (plans, rerun)
-        return rerun
 
     def _open_region(self, root, args, kwargs) -> Region:
         region = Region(root)
@@ -351,9 +296,9 @@ class Runtime(SavedTensorHooks):
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
                 if producer is None:
-                    self._register(t, None, None, None)
+                    self._fwd.register(t, None, None, None)
                 else:
-                    self._register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+                    self._fwd.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
 
     def _exit(self, fn, output) -> None:
         fwd = self._fwd
@@ -366,7 +311,7 @@ class Runtime(SavedTensorHooks):
             fwd.tail = record.unit  # e.g. a final logit soft-cap the model applies after lm_head
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES and not t.is_nested:
-                self._register(t, record.unit, record, ("out", path))
+                self._fwd.register(t, record.unit, record, ("out", path))
         region = record.region
         if region is None:
             return
@@ -434,20 +379,6 @@ class Runtime(SavedTensorHooks):
             if standalone:
                 self._close_forward(merge=True)
         return output
-
-    def _register(self, t: torch.Tensor, unit, record, locator) -> None:
-        ptr = storage_id(t)
-        entry = self._fwd.registry.get(ptr)
-        if entry is not None and entry.anchor() is not None:
-            return  # first producer wins (a module may return a view of its input)
-        self._fwd.registry[ptr] = _Entry(unit, record, locator, weakref.ref(t))
-
-    def _lookup(self, t: torch.Tensor) -> _Entry | None:
-        entry = self._fwd.registry.get(storage_id(t))
-        if entry is None:
-            return None
-        anchor = entry.anchor()
-        return entry if anchor is not None else None
 
     # ------------------------------------------------------------------ recompute
     def _rerun(self, region: Region) -> None:

@@ -133,7 +133,7 @@ class SavedTensorHooks:
             kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
             fwd.stats.add_unmanaged(kept.tensor, leaf)  # the stats watch what lives as long as the graph
             return kept
-        entry = self._lookup(t)
+        entry = self._fwd.lookup(t)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
             geometry = geometry_of(t, entry.anchor()) if record is not None else None
@@ -282,7 +282,7 @@ class SavedTensorHooks:
 
     def _hold(self, t: torch.Tensor):
         """How a tensor needed for a later recompute is held: by its producer's mode."""
-        entry = self._lookup(t) if self._managed(t) else None
+        entry = self._fwd.lookup(t) if self._managed(t) else None
         if entry is None or entry.unit is None or entry.record is None:
             kept = Kept(t, alias=not isinstance(t, nn.Parameter))
             self._fwd.stats.add_unmanaged_held(kept.tensor)

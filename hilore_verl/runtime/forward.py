@@ -1,0 +1,62 @@
+"""What one grad-enabled forward records: the plans it runs under, its call frames, and the registry
+of boundary tensors by storage (who produced each input and output of a unit call, so a saved tensor is
+attributed to its producer wherever it is saved), with its stats and the regions it records. The
+runtime (runtime.py) opens one per forward and drops it when the forward ends.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hilore_verl.runtime.plan import UnitPlan
+from hilore_verl.runtime.records import CallRecord, LiveKeyMap, Region, storage_id
+from hilore_verl.runtime.stats import StepStats
+from hilore_verl.units import RecoveryUnit
+
+
+@dataclass
+class Entry:
+    """A registered boundary tensor: who produced it and where to find it again."""
+    unit: RecoveryUnit | None  # None: produced outside every unit (embedding, rotary tables, residual stream)
+    record: CallRecord | None
+    locator: tuple | None
+    anchor: Any  # weakref to the registered tensor
+
+
+@dataclass
+class Forward:
+    """State of one grad-enabled forward of the root module (or of `tracking` / a standalone `call`)."""
+    plans: list[UnitPlan]  # the plan in force when the forward started
+    owner: str = "root"
+    frames: list[CallRecord] = field(default_factory=list)
+    registry: dict[int, Entry] = field(default_factory=dict)
+    compressed: LiveKeyMap = field(default_factory=LiveKeyMap)
+    # storage made outside units -> (the unit that adopted it or None, whether it is held exact as a recomputed
+    # call's input): saving._adopted
+    adopted: LiveKeyMap = field(default_factory=LiveKeyMap)
+    stats: StepStats | None = None
+    rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
+    region: Region | None = None  # the region being recorded
+    top: CallRecord | None = None  # a block region's own code
+    tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
+    inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
+
+    def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> None:
+        """`t` was made by `unit`'s call `record` (None: outside every unit); the first producer wins
+        (a module may return a view of its input)."""
+        ptr = storage_id(t)
+        entry = self.registry.get(ptr)
+        if entry is not None and entry.anchor() is not None:
+            return
+        self.registry[ptr] = Entry(unit, record, locator, weakref.ref(t))
+
+    def lookup(self, t: torch.Tensor) -> Entry | None:
+        """Who made `t`'s storage in this forward (None: not registered, or its tensor is gone)."""
+        entry = self.registry.get(storage_id(t))
+        if entry is None:
+            return None
+        return entry if entry.anchor() is not None else None
