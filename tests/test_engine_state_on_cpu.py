@@ -197,12 +197,18 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     calibration.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
     handler = _Messages()
     logging.getLogger("hilore_verl").addHandler(handler)
-    loss_fn = ppo_loss_fn(actor_config())
-    engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
-                               engine_cls=HiLoReFSDPEngine,
-                               hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)
+
+    def build():  # a risk model too: its calibration is part of the state a resume must keep
+        return build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
+                                 engine_cls=HiLoReFSDPEngine, actor_config=config,
+                                 hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 0})
+
+    engine = build()
     _train_step(engine, batch, rank, world_size, loss_fn)
     engine.save_checkpoint(ckpt_dir, global_step=1)
+    saved = engine.controller.state_dict()
     dist.barrier()
     files = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("hilore"))
     good = pathlib.Path(ckpt_dir, "hilore_controller.json").read_text()
@@ -219,6 +225,8 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
             controller_file.load_state = lambda *a, **k: (_ for _ in ()).throw(ValueError("simulated"))
         handler.messages.clear()
         before = len(profiles)
+        if case == "good":  # a fresh engine, as a resumed job builds it
+            engine = build()
         try:
             engine.load_checkpoint(ckpt_dir, del_local_after_load=False)
         finally:
@@ -228,10 +236,16 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
         results[case] = {"profiled": len(profiles) - before, "messages": messages,
                          "names_file": all(path in m for m in messages),
                          "same_plan": dict(engine.controller.history[-1].plan) == plan}
+    state = engine.controller.state_dict()
+    results["good"].update(same_risk=engine.controller.risk.sensitivity == saved["risk"]["sensitivity"],
+                           same_costs=state["costs"] == saved["costs"])
     return {"files": files, "cases": results}
 
 
-def test_a_checkpoint_with_a_bad_controller_state_re_profiles(tmp_path):
+def test_a_checkpoint_resumes_its_controller_state_and_a_bad_one_re_profiles(tmp_path):
+    """A fresh engine loading a good checkpoint plans as the saved one did, with its costs and risk model and
+    no probes; a bad state (garbage, another model's units, unreadable on one rank) re-profiles everywhere
+    with one message."""
     model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
     ranks = run_on_ranks(_resume_from_bad_states, 2,
                          args=(model_dir, make_grpo_batch(WORKLOAD, seed=3), str(tmp_path / "ckpt")))
@@ -242,6 +256,7 @@ def test_a_checkpoint_with_a_bad_controller_state_re_profiles(tmp_path):
             assert c["profiled"] == 1 and len(c["messages"]) == 1 and c["same_plan"], (rank, case, c)
             if case != "one rank":
                 assert c["names_file"], (rank, case, c)
-        assert r["cases"]["good"] == {"profiled": 0, "messages": [], "names_file": True, "same_plan": True}
+        assert r["cases"]["good"] == {"profiled": 0, "messages": [], "names_file": True, "same_plan": True,
+                                      "same_risk": True, "same_costs": True}
     assert "another rank could not use" in ranks[0]["cases"]["one rank"]["messages"][0]
     assert "simulated" in ranks[1]["cases"]["one rank"]["messages"][0]
