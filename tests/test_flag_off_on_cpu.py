@@ -4,8 +4,8 @@ section (nothing of HiLoRe's in the actor), from the same weights, batch and see
 gradient norm and the loss are equal (torch.equal, ==), and both run verl's own engine.
 
 (tests/test_recipes_on_cpu.py compares the flag off with HiLoRe on at risk budget 0, and shows the flag off
-selects verl's engine config and engine; tests/test_main_ppo_on_cpu.py::test_flag_off_is_stock_verl runs
-main_ppo with the flag off, without comparing numbers.)
+selects verl's engine config and engine; the GC arm of tests/test_demo_on_cpu.py runs main_ppo with the
+flag off, without comparing numbers.)
 """
 
 from pathlib import Path

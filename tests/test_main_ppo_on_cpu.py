@@ -69,16 +69,6 @@ def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_prob
     assert resumed[0]["data"]["actor/hilore/audit/cosine"] >= 0.999
 
 
-def test_flag_off_is_stock_verl(tmp_path, task):
-    rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=false",
-                              "trainer.total_training_steps=1")
-    assert rc == 0, out[-6000:]
-    assert len(steps) == 1 and _hilore_keys(steps[0]) == set()
-    assert "hilore-verl: planning" not in out
-    for key in ("actor/pg_loss", "actor/grad_norm", "timing_s/update_actor", "critic/score/mean"):
-        assert key in steps[0]["data"]
-
-
 def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
     """No project YAML: verl's own ppo_trainer and the command-line overrides recipes/README.md documents."""
     import verl
