@@ -115,7 +115,7 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
             real_step(self, key)
         elif isinstance(key, tuple) or key in self.trained:
             self.predicted[key].append(self.predicted[key][-1])
-            self.planning[key].append(0.0)
+            self.session_s[key].append(0.0)
         noisy = isinstance(key, tuple) and key[1] == 1.5
         seconds = (1.0 if key == "gc" else 0.8) * (1 + rng.uniform(-0.3, 0.3) if noisy else 1 + rng.uniform(-0.002, 0.002))
         clock.now += seconds

@@ -1,7 +1,10 @@
 """`hilore-verl bench`: every method on the same GRPO actor update, side by side in one run.
 
-Order of work: build each method (planners profile and calibrate once), one gradient each against
-no GC's (same weights), then paired rounds of timed steps (every method once per round, the order
+Order of work (`run_bench`, one private function per phase): refuse a workload unlike a GPU job (too
+much padding; static memory too large a share of GC's peak, measured first in a fresh process; on a GPU,
+the methods' model copies not fitting at once), build each method (planners profile and calibrate once),
+one gradient each against no GC's (same weights) and a warm-up step, HiLoRe's runner-up plans beside its
+choice at each budget, then paired rounds of timed steps (every method once per round, the order
 rotated: alternating cancels drift) until every throughput ratio to GC's is resolved to the target or
 the time cap is hit (bench/rounds.py), then the same for each budget of the planners' sweep (GC and
 the planners at that budget), then each method's physical peak in a fresh process. A method that
@@ -68,10 +71,28 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     predicted peak of keeping every unit)."""
     batch = make_batch(config)
     tokens = tokens_of(batch)
+    early = _refuse_unshaped_workload(config, methods, batch, peaks)
+    results: dict[str, dict] = {m: {"status": "ok"} for m in methods}
+    progress = Progress(len(methods) * 2 + ((len(methods) + ("hilore" in methods)) if peaks else 0))
+    built = _build_methods(config, methods, batch, budget, risk_budget, results, progress)
+    _gradients_and_warm_up(built, batch, results, progress)
+    timer = _timer_with_runner_ups(config, methods, built, batch, sweep)
+    rule = stop_rule(config)
+    sets = _paired_rounds(built, timer, rule, progress)
+    _method_rows(built, timer, sets[0], tokens, results)
+    sweep_rows = _sweep_rows(timer, sets[1:], tokens)
+    if peaks:
+        _peaks(config, methods, built, results, early, progress)
+    return _report(config, budget, batch, tokens, rule, sets, built, results, sweep_rows)
+
+
+def _refuse_unshaped_workload(config: BenchConfig, methods, batch, peaks: bool) -> dict[str, dict]:
+    """WorkloadRefused unless the workload is shaped like a GPU job: at most MAX_PADDING_SHARE padding; with
+    peaks and GC among the methods, static memory at most MAX_STATIC_SHARE of GC's peak (measured first, in
+    a fresh process, and returned as the early peaks); on a GPU, every method's model copy fitting at once."""
     if padding_share(batch) > MAX_PADDING_SHARE:
         raise WorkloadRefused(f"{100 * padding_share(batch):.0f}% of the padded batch's token positions are padding "
                               f"(a GPU job packs them: at most {100 * MAX_PADDING_SHARE:.0f}%); drop --no-pack")
-    results: dict[str, dict] = {m: {"status": "ok"} for m in methods}
     early: dict[str, dict] = {}
     if peaks and "gc" in methods:  # the proportions first: a workload unlike a GPU job is refused before timing
         with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
@@ -84,10 +105,14 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 f"MiB); a GPU job is at most {100 * MAX_STATIC_SHARE:.0f}%: raise the tokens per step (--groups, "
                 "--group-size, --response-len) or shrink the model (--hidden, --layers, --vocab)")
     _refuse_if_resident_copies_do_not_fit(config, methods)
+    return early
+
+
+def _build_methods(config: BenchConfig, methods, batch, budget: float | str, risk_budget: float, results: dict,
+                   progress: Progress) -> dict[str, M.Method]:
+    """Each method on a fresh model, HiLoRe first (the planners profile and calibrate once); the planners'
+    controllers moved to `budget`. A method that cannot be built is marked unavailable or failed."""
     built: dict[str, M.Method] = {}
-    planners = [m for m in methods if m in M.SWEPT]
-    points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
-    progress = Progress(len(methods) * 2 + ((len(methods) + ("hilore" in methods)) if peaks else 0))
     for name in sorted(methods, key=lambda m: m != "hilore"):
         progress.tick(f"building {name}" + (" (profiling, calibrating)" if name in M.PLANNERS else ""), advance=0)
         try:
@@ -97,14 +122,20 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
         except M.Unavailable as err:
             results[name] = {"status": "unavailable", "error": str(err)}
         except Exception as err:  # noqa: BLE001 - reported per method; the others go on
-            results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+            results[name] = _failed(err)
         progress.tick(f"built {name}")
+    return built
+
+
+def _gradients_and_warm_up(built: dict[str, M.Method], batch, results: dict, progress: Progress) -> None:
+    """No GC's gradient as the reference, then per method its gradient against it (same weights) and one
+    warm-up step. A method that fails is marked failed and leaves `built`."""
     exact = None
     if "no_gc" in built:  # the reference gradient; no_gc may not fit where GC does
         try:
             exact = built["no_gc"].gradient(batch)
         except Exception as err:  # noqa: BLE001 - the others are still timed, without a gradient error
-            results["no_gc"] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+            results["no_gc"] = _failed(err)
             built.pop("no_gc")
             _free_device_memory()
     for name, method in list(built.items()):
@@ -115,9 +146,16 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 results[name]["grad_rel_error"] = float((grad - exact).norm() / exact.norm())
             method.step(batch)  # warm-up
         except Exception as err:  # noqa: BLE001
-            results[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}"}
+            results[name] = _failed(err)
             built.pop(name)
         progress.tick(f"gradient + warm-up {name}")
+
+
+def _timer_with_runner_ups(config: BenchConfig, methods, built: dict[str, M.Method], batch, sweep: bool) -> _Timer:
+    """The timer of every key: the methods, each planner at each budget of the sweep, and HiLoRe's runner-up
+    plans beside its choice at each budget (after one step of its first plan, which they are ranked against)."""
+    planners = [m for m in methods if m in M.SWEPT]
+    points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
     variants = _sweep_controllers(built, points, batch)
     timer = _Timer(built, variants, batch)
     if config.candidates and "hilore" in built:  # HiLoRe's runner-up plans beside its choice, per budget
@@ -125,15 +163,24 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
             timer.step(("hilore", ratio))  # its first plan: what the runner-ups are ranked against
             chosen = variants[("hilore", ratio)]
             for i, fixed in enumerate(candidate_controllers(chosen, config.candidates, timer.trained["hilore"])):
-                timer.add((("hilore", ratio, i + 1)), fixed)
-    rule = stop_rule(config)
-    ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in variants)]
+                timer.add(("hilore", ratio, i + 1), fixed)
+    return timer
+
+
+def _paired_rounds(built: dict[str, M.Method], timer: _Timer, rule: StopRule, progress: Progress) -> list:
+    """The methods' paired rounds, then each budget's own (GC's steps their baseline), each set stopped by
+    `rule` within its share of the time cap. The first set is the methods'."""
+    ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in timer.variants)]
     main_cap, sweep_cap = caps(rule.time_cap_s, len(ratios))
     sets = [run_rounds("methods", list(built), timer.step, rule, main_cap, log=progress.line)]
     for ratio in ratios:  # each budget its own paired rounds, with GC's steps as their baseline
-        keys = ["gc"] * ("gc" in built) + [k for k in variants if k[1] == ratio]
+        keys = ["gc"] * ("gc" in built) + [k for k in timer.variants if k[1] == ratio]
         sets.append(run_rounds(f"budget {ratio}", keys, timer.step, rule, sweep_cap, log=progress.line))
-    main = sets[0]
+    return sets
+
+
+def _method_rows(built: dict[str, M.Method], timer: _Timer, main, tokens: int, results: dict) -> None:
+    """Each built method's row from the methods' rounds; the planners' plan, predictions and budget besides."""
     widths = half_widths(main.times)
     for name in built:
         results[name].update(_timed_row(main.times, name, tokens, widths))
@@ -147,11 +194,16 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
                                  controller_share=sum(timer.session_s[name]) / sum(main.times[name]))
-    sweep_rows = []
-    for st in sets[1:]:
+
+
+def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
+    """One row per planner key of each budget's rounds: a runner-up with its plan, a planner's choice with its
+    throughput over its fastest runner-up's."""
+    rows = []
+    for st in budget_sets:
         widths = half_widths(st.times)
         for key in (k for k in st.times if isinstance(k, tuple)):
-            controller, trained = variants[key], timer.trained[key[0]]
+            controller, trained = timer.variants[key], timer.trained[key[0]]
             last = controller.history[-1]
             row = {"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
                    **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
@@ -161,16 +213,28 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
                 row.update(candidate=key[2], plan=_spelled(last.plan))
             else:
                 row.update(_against_runner_ups(st.times, key))
-            sweep_rows.append(row)
-    if peaks:
-        with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
-            for name in methods:
-                if results[name]["status"] == "ok":
-                    results[name].update(early.get(name) or _peak(name, config, built[name], tmp))
-                progress.tick(f"peak memory {name}")
-            if results.get("hilore", {}).get("status") == "ok":  # profiling + calibration + one step, fresh
-                results["hilore"]["first_step"] = _peak("hilore", config, None, tmp, first_step=True)
-                progress.tick("first step hilore")
+            rows.append(row)
+    return rows
+
+
+def _peaks(config: BenchConfig, methods, built: dict[str, M.Method], results: dict, early: dict,
+           progress: Progress) -> None:
+    """Each method's physical peak in a fresh process (GC's from the refusal check), then HiLoRe's first step
+    (profiling + calibration + one step) fresh."""
+    with tempfile.TemporaryDirectory(prefix="hilore-bench-") as tmp:
+        for name in methods:
+            if results[name]["status"] == "ok":
+                results[name].update(early.get(name) or _peak(name, config, built[name], tmp))
+            progress.tick(f"peak memory {name}")
+        if results.get("hilore", {}).get("status") == "ok":  # profiling + calibration + one step, fresh
+            results["hilore"]["first_step"] = _peak("hilore", config, None, tmp, first_step=True)
+            progress.tick("first step hilore")
+
+
+def _report(config: BenchConfig, budget: float | str, batch, tokens: int, rule: StopRule, sets: list,
+            built: dict[str, M.Method], results: dict, sweep_rows: list[dict]) -> dict:
+    """The report (bench/report.py reads it): the workload, the stop rule and every set of rounds, the rows,
+    the environment, and its summary."""
     any_model = built[next(iter(built))].model if built else None
     spread = [st.half_width for st in sets]
     report = {"config": config.to_dict(), "budget": budget, "tokens": tokens, "padding_share": padding_share(batch),
@@ -183,6 +247,11 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
               "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads()}
     report["summary"] = summarize(report)
     return report
+
+
+def _failed(err: Exception) -> dict:
+    """A method's result when it raised: failed, with the error's type and message."""
+    return {"status": "failed", "error": f"{type(err).__name__}: {err}"}
 
 
 def _against_runner_ups(times: dict, key: tuple) -> dict:
