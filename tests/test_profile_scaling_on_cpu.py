@@ -9,8 +9,10 @@ import torch
 
 import hilore_verl
 from hilore_verl.planner import CostTable, UnitProfile, profile
+from hilore_verl.planner import bandwidth
 from hilore_verl.planner import profiling as costs
-from hilore_verl.planner.profiling import fixed_share, quadratic_share, sample_bytes
+from hilore_verl.planner.bandwidth import sample_bytes
+from hilore_verl.planner.profiling import fixed_share, quadratic_share
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.units import name_in_layer
@@ -30,9 +32,9 @@ def test_sample_sizes_follow_the_largest_unit_within_free_memory(monkeypatch):
     free = [80 * 2**30]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 80 * 2**30))
     cuda, row = torch.device("cuda"), 4 * 1024 * 2
-    assert sample_bytes(cuda, 2**20, 2) == costs.SAMPLE_MIN_BYTES  # at least 64 MiB
+    assert sample_bytes(cuda, 2**20, 2) == bandwidth.SAMPLE_MIN_BYTES  # at least 64 MiB
     assert sample_bytes(cuda, 300 * 2**20 + 5, 2) == 300 * 2**20  # the largest unit's bytes, whole rows
-    assert sample_bytes(cuda, 10 * 2**30, 2) == costs.SAMPLE_MAX_BYTES
+    assert sample_bytes(cuda, 10 * 2**30, 2) == bandwidth.SAMPLE_MAX_BYTES
     free[0] = 2**30
     assert sample_bytes(cuda, 300 * 2**20, 2) == 2**30 // 8  # bounded by free memory
     free[0] = 1000
@@ -79,10 +81,10 @@ def test_codec_bandwidth_is_fitted_over_the_sample_and_its_quarter(monkeypatch):
         sizes.append(clock.nbytes)
         return Payload()
 
-    monkeypatch.setattr(costs, "quantize", quantize)
-    sample = torch.empty(costs.SAMPLE_MIN_BYTES // (1024 * 2), 1024, dtype=torch.bfloat16)
-    codec = costs.codec_bandwidth(clock, sample)
-    assert sorted(set(sizes)) == [costs.SAMPLE_MIN_BYTES // 4, costs.SAMPLE_MIN_BYTES]
+    monkeypatch.setattr(bandwidth, "quantize", quantize)
+    sample = torch.empty(bandwidth.SAMPLE_MIN_BYTES // (1024 * 2), 1024, dtype=torch.bfloat16)
+    codec = bandwidth.codec_bandwidth(clock, sample)
+    assert sorted(set(sizes)) == [bandwidth.SAMPLE_MIN_BYTES // 4, bandwidth.SAMPLE_MIN_BYTES]
     assert codec == pytest.approx(2 * BW, rel=0.05)  # quantize + dequantize: 2 S / codec_bytes_per_s per unit
 
 
@@ -144,9 +146,9 @@ def test_host_copies_are_timed_pinned_on_a_side_stream(monkeypatch):
     clock = DeviceClock("cpu")
     clock.device, clock.module, clock.events = torch.device("cuda"), fake, True  # CUDA's path, simulated
     asked = []
-    monkeypatch.setattr(costs, "host_buffer", lambda like, pinned: asked.append(pinned) or torch.empty_like(like))
+    monkeypatch.setattr(bandwidth, "host_buffer", lambda like, pinned: asked.append(pinned) or torch.empty_like(like))
     sample = torch.randn(64, 1024)
-    assert costs.host_bandwidth(clock, sample) > 0
+    assert bandwidth.host_bandwidth(clock, sample) > 0
     assert asked == [True]  # a pinned host buffer, as the offload pool's
     side = {id(s) for s, other in fake.waited if other is fake.compute}
     assert len(side) == 1 and len(fake.waited) == 2  # one side stream, ordered after the compute stream per size
@@ -156,12 +158,12 @@ def test_host_copies_are_timed_pinned_on_a_side_stream(monkeypatch):
 
 def test_host_copies_on_the_cpu_are_synchronous_and_real(monkeypatch):
     asked = []
-    buffer = costs.host_buffer
-    monkeypatch.setattr(costs, "host_buffer", lambda like, pinned: asked.append(pinned) or buffer(like, pinned))
+    buffer = bandwidth.host_buffer
+    monkeypatch.setattr(bandwidth, "host_buffer", lambda like, pinned: asked.append(pinned) or buffer(like, pinned))
     clock, times = DeviceClock("cpu"), []
     timed = clock.time
     clock.time = lambda fn, repeats=1, stream=None: times.append(stream) or timed(fn, repeats, stream)
-    host = costs.host_bandwidth(clock, torch.randn(256, 1024))
+    host = bandwidth.host_bandwidth(clock, torch.randn(256, 1024))
     assert asked == [False] and 1e6 < host < 1e13
     assert times == [None]  # on the current stream, at one size (the CPU's fixed time is small)
 

@@ -9,6 +9,7 @@
     ctl.end_mini_batch(measured_peak_bytes)               # max over ranks; plans tighter / looser after it
     after an out-of-memory retry: ctl.on_oom()            # later plans 10% tighter
     checkpoints:             ctl.state_dict() (plain numbers and names; planner/state.py writes and checks the file)
+    how a plan is found (solver under the memory model, then the arm's choice): planner/search.py
 
 Memory model of the actor update's peak (what the planner must keep under the budget):
 
@@ -46,15 +47,14 @@ import torch
 from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.budget import BudgetConfig
-from hilore_verl.planner.costs import CostTable, UnitProfile, layer_of
-from hilore_verl.planner.refine import refine
-from hilore_verl.planner.solver import Infeasible, solve
+from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.planner.search import PlanSearch
+from hilore_verl.planner.solver import Infeasible
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 
 
 MIN_PEAK_FACTOR = 0.5  # the measured-peak feedback plans under at least half the budget
-MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's overshoot less
 HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
 Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
 
@@ -70,7 +70,7 @@ class PlanRecord:
 
 
 @dataclass
-class Controller:
+class Controller(PlanSearch):
     runtime: Runtime
     costs: CostTable
     risk: RiskModel | None
@@ -203,14 +203,6 @@ class Controller:
             del self.history[:-HISTORY_KEPT // 4]
         return plan
 
-    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
-                 exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
-        """The plan for one micro-batch of `tokens` tokens (`row`: its ordinary packed row's, module
-        docstring), without handing it to a runtime (what-if planning; allowance 0 or no risk model:
-        keep / recompute only). `exclude`: (unit, option) the plan may not use (the best plan without
-        it: the runner-up, planner/ranking.py)."""
-        return self._solve(exposure_l2, tokens, allowance, exclude, row)
-
     def runtime_plan(self, plan: dict[str, UnitPlan]) -> dict[str, UnitPlan]:
         """`plan` as the runtime runs it: compressed units round stochastically when the controller was
         built with `stochastic=True` (the cost table prices a format the same either way)."""
@@ -248,86 +240,6 @@ class Controller:
         model had it (where it had any)."""
         checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
         return [self._all(KEEP)] + ([checkpoint] if checkpoint is not None else [])
-
-    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
-        """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
-        hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
-        plan gains less over it than the runtime's measured overhead per micro-batch
-        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py)."""
-        plan = self._solve(l2, tokens, allowance, row=row)
-        if self.runtime is None:  # what-if planning: nothing runs
-            return plan, False
-        baselines = self.hands_off_plans()
-        if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
-            return plan, False
-        limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)
-        fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
-                if self.predicted_peak(b, tokens) <= limit]
-        if not fits:
-            return plan, False
-        baseline = baselines[min(fits)[1]]
-        if min(fits)[0] <= seconds + self.costs.runtime_overhead_s:  # the model already says: the baseline
-            return baseline, False
-        if not self.measure_baseline:
-            return plan, False
-        return (baseline if self.arms.arm == "baseline" else plan), True
-
-    def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
-               row: int | None = None) -> dict[str, UnitPlan]:
-        risk = None
-        if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
-            risk = lambda unit, plan: self.risk.unit_risk(unit, self._as_run(plan), l2)  # noqa: E731
-        options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
-                   for u in self.costs.units]
-        if self.risk is None:  # nothing calibrated: lossy modes are not allowed
-            allowance = 0.0
-        budget = self.activation_budget(tokens, row)
-        limit = self.limit(tokens if row is None else row)
-        # Units are priced one by one (a recomputed unit at what it holds itself); what a layer holds more
-        # as one region (its inputs, the outputs it replays) only the memory model knows. So the solver
-        # runs again while the model says its plan does not fit, each layer's region bytes of the last
-        # plan spread over the layer's units as a surcharge on recomputing them (raised, never lowered:
-        # the surcharges only grow, and the plans fit sooner or later); the exact plans that bound the
-        # search (GC's, every unit recomputed) compete where they fit.
-        fitting, surcharge, failure = [], {}, None
-        for _ in range(MAX_RESOLVES):
-            priced = [[dataclasses.replace(o, memory=o.memory + surcharge[u.name])
-                       if o.plan == RECOMPUTE and u.name in surcharge else o for o in opts]
-                      for u, opts in zip(self.costs.units, options)]
-            try:
-                solution = solve(priced, budget, allowance)
-            except Infeasible as err:  # priced one by one, a whole recomputed layer can look too dear
-                failure = err
-                break
-            plan = {u.name: options[i][k].plan for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
-            fits = self.predicted_peak(plan, tokens) <= limit
-            if fits:
-                if plan in fitting:
-                    break
-                fitting.append(plan)
-            _, regions = self.costs.held_by_layer(plan, tokens)
-            for layer, extra in regions.items():
-                units = [u.name for u in self.costs.units if layer_of(u.name) == layer]
-                recomputed = sum(plan[n] == RECOMPUTE for n in units)
-                for n in units:  # a plan that fits prices its layers as they are; one that does not, dearer
-                    share = extra / max(recomputed, 1)
-                    surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
-        bounds = [self.gc_plan(), self._all(RECOMPUTE)]
-        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
-        if not fitting:
-            if exclude is not None or self.memory_factor >= 1.0:
-                raise failure or Infeasible("no plan fits the memory budget")
-            # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
-            # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
-            return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
-        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
-                   for p in fitting]
-        fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
-        return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
-
-    @staticmethod
-    def _allowed(plan: dict[str, UnitPlan], exclude: tuple[str, UnitPlan] | None) -> bool:
-        return exclude is None or plan.get(exclude[0]) != exclude[1]
 
     def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
         """The exact exposure of the micro-batch just planned (after its forward, before its backward),

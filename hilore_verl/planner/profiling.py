@@ -7,16 +7,18 @@ with tokens are the cost model's (costs.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from hilore_verl.kernels import payload_ratio, quantize
+from hilore_verl.kernels import payload_ratio
+from hilore_verl.planner.bandwidth import codec_bandwidth, host_bandwidth, sample_bytes
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
-from hilore_verl.units import name_in_layer
-from hilore_verl.timing import DeviceClock, fit_bandwidth
+from hilore_verl.units import RecoveryUnit, name_in_layer
+from hilore_verl.timing import DeviceClock
 
 
 def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[dict[str, float], float]:
@@ -58,71 +60,6 @@ def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -
         own = elapsed - sum(clock.seconds(c[1], c[2]) for c in children if c[2] is not None)
         totals[name] = totals.get(name, 0.0) + own
     return totals, clock.seconds(begin, end)
-
-
-SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned
-SAMPLE_MAX_BYTES = 512 * 2**20
-CPU_SAMPLE_ELEMENTS = 1024 * 1024  # the CPU is bandwidth-bound at a few MiB: keep its probe cheap
-REPEATS = 3
-
-
-def _parts(clock: DeviceClock) -> int:
-    """How `fit_bandwidth` splits the sample: a quarter off the CPU; on the CPU, where a call's fixed
-    time is small against a few MiB and two sizes' difference is mostly noise, one size (parts 1)."""
-    return 1 if clock.device.type == "cpu" else 4
-
-
-def sample_bytes(device: torch.device, largest: float, element_size: int) -> int:
-    """Size of the codec and host-copy samples: on the CPU a fixed 1M elements; elsewhere the probe's
-    `largest` unit's saved bytes, at least SAMPLE_MIN_BYTES, at most SAMPLE_MAX_BYTES and an eighth of
-    the device's free memory (the codec's output and the copies' buffers come on top). A whole number
-    of 4 rows of 1024 elements (the fit's smaller size is a quarter)."""
-    row = 4 * 1024 * element_size
-    if device.type == "cpu":
-        return CPU_SAMPLE_ELEMENTS * element_size
-    module = torch.get_device_module(device.type)
-    free = module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else 8 * SAMPLE_MAX_BYTES
-    return max(int(min(max(largest, SAMPLE_MIN_BYTES), SAMPLE_MAX_BYTES, free // 8)) // row, 1) * row
-
-
-def codec_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
-    """Activation bytes per second of quantize + dequantize (int8), counted twice (the table prices a
-    unit's codec time as 2 S / codec_bytes_per_s): the slope of `fit_bandwidth` over `sample` and its
-    first quarter, so that a call's launch overhead is not read as low bandwidth (on the CPU: the
-    sample's throughput)."""
-    row = sample[0].numel() * sample.element_size()
-
-    def seconds(nbytes: int) -> float:
-        part = sample[: nbytes // row]
-        return clock.time(lambda: quantize(part, "int8", 64).dequantize(), REPEATS)
-
-    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
-
-
-def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
-    return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
-
-
-def host_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
-    """Bytes per second one way between the device and the host, as the runtime's offload copies
-    (runtime/offload.py): into a pinned host buffer and back, non-blocking on a side stream, timed by
-    events on that stream; on the CPU synchronous copies (the offload's path there). The slope of
-    `fit_bandwidth` over the round trip of `sample` and of its first quarter (on the CPU: the
-    sample's throughput)."""
-    side = clock.module.Stream() if clock.events else None
-    host, back = host_buffer(sample, pinned=clock.events), torch.empty_like(sample)
-    flat = [t.view(-1) for t in (sample, host, back)]
-
-    def seconds(nbytes: int) -> float:
-        src, buf, dst = (t[: nbytes // sample.element_size()] for t in flat)
-
-        def trip():
-            buf.copy_(src, non_blocking=clock.events)  # forward: to the host
-            dst.copy_(buf, non_blocking=clock.events)  # backward: back to the device
-
-        return clock.time(trip, REPEATS, stream=side)
-
-    return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
 
 
 def _unpinned(stats: RuntimeStats, unit: str, figure: str) -> int:
@@ -184,6 +121,63 @@ def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[st
     return out
 
 
+@dataclass
+class _Probes:
+    """The probe runs' setup, and the unit times every run adds to (a unit's time is its fastest)."""
+
+    runtime: Runtime
+    run: Callable[[], None]
+    small_run: Callable[[], None] | None
+    clock: DeviceClock
+    group: dict[str, str]  # unit -> group
+    probed_layers: dict[int, int]  # probed layer -> layers like it
+    gc_plan: dict[str, UnitPlan]
+    probed: list[RecoveryUnit] = field(init=False)  # the probed layers' units
+    heads: list[RecoveryUnit] = field(init=False)  # the units outside the layers
+    times: dict[str, float] = field(init=False)  # unit -> its fastest forward (inf: never ran)
+    small_times: dict[str, float] = field(init=False)  # the same over the small probe's runs
+    runs: dict[bool, list[dict[str, float]]] = field(init=False)  # probes 1 and 2's unit times, by size
+    gc_passes: list[float] = field(init=False)  # probe 1's whole forward + backward (through the hooks)
+
+    def __post_init__(self):
+        self.probed = [u for u in self.runtime.units if u.layer_index in self.probed_layers]
+        self.heads = [u for u in self.runtime.units if u.layer_index is None]
+        self.times = {u.name: math.inf for u in self.runtime.units}
+        self.small_times = dict(self.times)
+        self.runs = {False: [], True: []}
+        self.gc_passes = []
+
+    def probe(self, extra: dict, small_probe: bool = False, pair: bool = False) -> RuntimeStats:
+        """One run under GC's plan with `extra` on top; its unit times fold into the fastest so far."""
+        self.runtime.set_plan({**self.gc_plan, **extra})
+        timed, seconds = _unit_times(self.runtime, self.small_run if small_probe else self.run, self.clock)
+        if not extra and not small_probe:
+            self.gc_passes.append(seconds)
+        best = self.small_times if small_probe else self.times
+        best.update({n: min(best[n], t) for n, t in timed.items()})
+        if pair or small_probe:
+            self.runs[small_probe].append(timed)
+        return self.runtime.stats()
+
+    def kept(self, layer: int) -> dict:
+        return {u.name: KEEP for u in self.probed if u.layer_index == layer}
+
+
+@dataclass
+class _ProbeStats:
+    """What the probe runs left held (`profile`'s docstring numbers them), and the runtime's overhead."""
+
+    whole: RuntimeStats  # 1: GC's plan
+    keeps: dict[int, RuntimeStats]  # 2: each probed layer kept
+    int8: RuntimeStats  # 3: the probed layers and the head int8
+    held: dict[str, float]  # 4: per group (and head unit), what recomputing it still holds
+    replay: dict[str, dict[str, float]]  # 4: per group, what its layer holds more for it, by holder
+    small_whole: RuntimeStats | None  # 5: 1 on the small probe
+    small_keeps: dict[int, RuntimeStats] | None  # 5: 2 on the small probe
+    overhead: float  # `runtime_overhead`: the runtime's hooks over HF checkpointing run hands-off
+    hands_off: float  # that hands-off pass's seconds (0: the model had no checkpointing)
+
+
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
             small: tuple[Callable[[], None], int] | None = None, quadratic: bool = True, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
@@ -220,118 +214,158 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     through the hooks) less the table's price of its recompute is the kept pass. Then codec and host-copy bandwidths, on samples
     the size of the largest unit's saved bytes.
     """
-    plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
     device = next(runtime.model.parameters()).device
-    clock = DeviceClock(device)
+    probes = _plan_probes(runtime, run, small, DeviceClock(device))
+    stats = _run_probes(probes)
+    _check_every_unit_ran(runtime, probes.times)
+    units = _unit_profiles(probes, stats, element_size)
+    unmanaged = max(_held_all_kept(probes, stats.whole, stats.keeps)
+                    - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
+    unmanaged_q = 0.0
+    if small is not None:  # how each figure grew from the small probe to this one
+        unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic)
+    saving = _region_saving(probes, stats.whole, units, tokens, unmanaged, element_size)
+    codec, host = _bandwidths(probes.clock, device, units, element_size)
+    table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
+                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead, **kwargs)
+    table.keep_pass_s = _keep_pass_seconds(probes, stats.hands_off, table, tokens)
+    return table
+
+
+def _plan_probes(runtime: Runtime, run: Callable[[], None], small: tuple[Callable[[], None], int] | None,
+                 clock: DeviceClock) -> _Probes:
+    """Which layers the probes measure: one per layer variant, the middle one of the layers of that variant."""
     group = {u.name: u.group or name_in_layer(u.name) for u in runtime.units}
-    # one probed layer per layer variant (its units' groups): the middle one of the layers of that variant
+    # a layer variant: the groups of its units, in order
     by_variant: dict[tuple, list[int]] = {}
     for index in sorted({u.layer_index for u in runtime.units if u.layer_index is not None}):
         key = tuple(group[u.name] for u in runtime.units if u.layer_index == index)
         by_variant.setdefault(key, []).append(index)
     probed_layers = {found[len(found) // 2]: len(found) for found in by_variant.values()}  # layer -> layers like it
-    probed = [u for u in runtime.units if u.layer_index in probed_layers]
-    heads = [u for u in runtime.units if u.layer_index is None]
     gc_plan = {u.name: RECOMPUTE for u in runtime.units if u.layer_index is not None}
+    return _Probes(runtime, run, small[0] if small is not None else None, clock, group, probed_layers, gc_plan)
 
-    # every probe times each unit's forward; a unit's time is its fastest (the least disturbed)
-    times: dict[str, float] = {u.name: math.inf for u in runtime.units}
-    small_times = dict(times)
-    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}  # probes 1 and 2's unit times, by size
-    gc_passes: list[float] = []  # probe 1's whole forward + backward (through the hooks)
 
-    def probe(extra: dict, small_probe: bool = False, pair: bool = False) -> RuntimeStats:
-        runtime.set_plan({**gc_plan, **extra})
-        timed, seconds = _unit_times(runtime, small[0] if small_probe else run, clock)
-        if not extra and not small_probe:
-            gc_passes.append(seconds)
-        best = small_times if small_probe else times
-        best.update({n: min(best[n], t) for n, t in timed.items()})
-        if pair or small_probe:
-            runs[small_probe].append(timed)
-        return runtime.stats()
-
-    def kept(layer: int) -> dict:
-        return {u.name: KEEP for u in probed if u.layer_index == layer}
-
-    held: dict[str, float] = {}
-    replay: dict[str, dict[str, float]] = {}
+def _run_probes(probes: _Probes) -> _ProbeStats:
+    """What probes 1 to 5 leave held, and the runtime's overhead; the plan in force before is restored."""
+    runtime = probes.runtime
+    plan_before = {u.name: runtime.plan_of(u.name) for u in runtime.units}
+    small_whole = small_keeps = None
     try:
-        whole = probe({}, pair=True)
-        keeps = {layer: probe(kept(layer), pair=True) for layer in probed_layers}
-        if small is not None:
-            small_whole = probe({}, small_probe=True)
-            small_keeps = {layer: probe(kept(layer), small_probe=True) for layer in probed_layers}
-        int8 = probe({u.name: UnitPlan(Mode.COMPRESS, fmt="int8") for u in probed + heads})
-        for u in probed:
-            stats = probe({**kept(u.layer_index), u.name: RECOMPUTE})
-            held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
-            # what its layer holds more for it, by holder: the kept calls' outputs it replays, its inputs
-            keep = keeps[u.layer_index]
-            # (signed: a save of the region's input that a kept unit made is counted outside units in a region)
-            replay[group[u.name]] = {v.name.split(".", 2)[2]: float(_unpinned(stats, v.name, "stored_bytes")
-                                                                    - _unpinned(keep, v.name, "stored_bytes"))
-                                     for v in probed if v.layer_index == u.layer_index and v is not u}
-            replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
-        for h in heads:  # what the model holds more with the head recomputed than with it kept, under GC
-            stats = probe({h.name: RECOMPUTE})
-            held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
-        overhead, hands_off = runtime_overhead(runtime, run, clock)
+        whole = probes.probe({}, pair=True)
+        keeps = {layer: probes.probe(probes.kept(layer), pair=True) for layer in probes.probed_layers}
+        if probes.small_run is not None:
+            small_whole = probes.probe({}, small_probe=True)
+            small_keeps = {layer: probes.probe(probes.kept(layer), small_probe=True) for layer in probes.probed_layers}
+        int8 = probes.probe({u.name: UnitPlan(Mode.COMPRESS, fmt="int8") for u in probes.probed + probes.heads})
+        held, replay = _probe_recomputed(probes, whole, keeps)
+        overhead, hands_off = runtime_overhead(runtime, probes.run, probes.clock)
     finally:
         runtime.set_plan(plan_before)
+    return _ProbeStats(whole, keeps, int8, held, replay, small_whole, small_keeps, overhead, hands_off)
+
+
+def _probe_recomputed(probes: _Probes, whole: RuntimeStats, keeps: dict[int, RuntimeStats]
+                      ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Probe 4: what each recomputed unit still holds, and what its layer (one region) holds more for it."""
+    group = probes.group
+    held: dict[str, float] = {}
+    replay: dict[str, dict[str, float]] = {}
+    for u in probes.probed:
+        stats = probes.probe({**probes.kept(u.layer_index), u.name: RECOMPUTE})
+        held[group[u.name]] = _unpinned(stats, u.name, "stored_bytes")
+        # what its layer holds more for it, by holder: the kept calls' outputs it replays, its inputs
+        keep = keeps[u.layer_index]
+        # (signed: a save of the region's input that a kept unit made is counted outside units in a region)
+        replay[group[u.name]] = {v.name.split(".", 2)[2]: float(_unpinned(stats, v.name, "stored_bytes")
+                                                                - _unpinned(keep, v.name, "stored_bytes"))
+                                 for v in probes.probed if v.layer_index == u.layer_index and v is not u}
+        replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
+    for h in probes.heads:  # what the model holds more with the head recomputed than with it kept, under GC
+        stats = probes.probe({h.name: RECOMPUTE})
+        held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
+    return held, replay
+
+
+def _check_every_unit_ran(runtime: Runtime, times: dict[str, float]) -> None:
+    """Whether every unit ran in some probe: one that never did is a unit map that does not fit the model."""
     never = [n for n, t in times.items() if t == math.inf]
     if never:  # a unit map that names modules the model does not call in its training forward
         blocks = sorted({type(u.block).__name__ for u in runtime.units if u.name in never and u.block is not None})
         raise ValueError(f"hilore-verl: units {', '.join(never[:6])}{' ...' if len(never) > 6 else ''} never ran in "
                          f"the training forward: the unit map of {', '.join(blocks) or 'the head'} names modules "
                          "this model does not call (see hilore_verl/unit_maps.py)")
-    first = next(iter(keeps.values()), whole)
+
+
+def _unit_profiles(probes: _Probes, stats: _ProbeStats, element_size: int) -> list[UnitProfile]:
+    """Per unit, its group's saved bytes and compressible share (probes 2 and 3), held bytes and replay (4)."""
+    group = probes.group
+    first = next(iter(stats.keeps.values()), stats.whole)
     r8 = payload_ratio("int8", element_size)
     figures = {}  # group -> (saved bytes, compressible share), from the probed layers and the head
-    for u in probed + heads:
-        keep = keeps.get(u.layer_index, first)
-        saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(int8, u.name, "stored_bytes")
+    for u in probes.probed + probes.heads:
+        keep = stats.keeps.get(u.layer_index, first)
+        saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(stats.int8, u.name, "stored_bytes")
         figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
-    units = [UnitProfile(u.name, figures[group[u.name]][0], held[group[u.name]], times[u.name],
-                         figures[group[u.name]][1], replay=dict(replay.get(group[u.name], {}))) for u in runtime.units]
-    # totals held at the end of the forward: every layer kept = GC's plan + its probed layer's difference
-    total = _total
-    keep_all = lambda w, ks: total(w) + sum(n * (total(ks[layer]) - total(w))  # noqa: E731
-                                            for layer, n in probed_layers.items())
-    unmanaged = max(keep_all(whole, keeps) - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
-    unmanaged_q = 0.0
-    if small is not None:  # how each figure grew from the small probe to this one
-        r = small[1] / tokens
-        small_first = next(iter(small_keeps.values()), small_whole)
-        saved_small = {group[u.name]: _unpinned(small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
-                       for u in probed + heads}
-        # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
-        sized = [_group_times({u.name: group[u.name] for u in units}, runs[size]) for size in (True, False)]
-        grows = quadratic_share if quadratic else (lambda *_: 0.0)
-        for u in units:
-            u.saved_quadratic = grows(saved_small[group[u.name]], u.saved_bytes, r)
-            u.forward_quadratic = grows(small_times[u.name], u.forward_s, r)
-            (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
-            u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
-        unmanaged_small = max(keep_all(small_whole, small_keeps)
-                              - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
-        unmanaged_q = grows(unmanaged_small, unmanaged, r)
-    saving = 0.0
-    if probed_layers and runtime.whole_blocks(gc_plan):  # GC's plan = the units' figures minus a region saving per layer
-        table = CostTable(units, tokens, unmanaged, element_size)
-        gc_costs = {u.name: RECOMPUTE if u.name in gc_plan else KEEP for u in units}
-        saving = max((table.held(gc_costs, tokens) + unmanaged - total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
+    return [UnitProfile(u.name, figures[group[u.name]][0], stats.held[group[u.name]], probes.times[u.name],
+                        figures[group[u.name]][1], replay=dict(stats.replay.get(group[u.name], {})))
+            for u in probes.runtime.units]
+
+
+def _held_all_kept(probes: _Probes, whole: RuntimeStats, keeps: dict[int, RuntimeStats]) -> int:
+    """The total held at the end of the forward with every layer kept (probes 1 and 2, at one size)."""
+    # every layer kept = GC's plan + its probed layer's difference
+    return _total(whole) + sum(n * (_total(keeps[layer]) - _total(whole)) for layer, n in probes.probed_layers.items())
+
+
+def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile], unmanaged: float, r: float,
+                   quadratic: bool) -> float:
+    """Probe 5: each unit's quadratic and fixed shares (set on `units`); the unmanaged bytes' quadratic share."""
+    group, runtime = probes.group, probes.runtime
+    small_first = next(iter(stats.small_keeps.values()), stats.small_whole)
+    saved_small = {group[u.name]: _unpinned(stats.small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
+                   for u in probes.probed + probes.heads}
+    # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
+    sized = [_group_times({u.name: group[u.name] for u in units}, probes.runs[size]) for size in (True, False)]
+    grows = quadratic_share if quadratic else (lambda *_: 0.0)
+    for u in units:
+        u.saved_quadratic = grows(saved_small[group[u.name]], u.saved_bytes, r)
+        u.forward_quadratic = grows(probes.small_times[u.name], u.forward_s, r)
+        (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
+        u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
+    unmanaged_small = max(_held_all_kept(probes, stats.small_whole, stats.small_keeps)
+                          - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
+    return grows(unmanaged_small, unmanaged, r)
+
+
+def _region_saving(probes: _Probes, whole: RuntimeStats, units: list[UnitProfile], tokens: int, unmanaged: float,
+                   element_size: int) -> float:
+    """Bytes a layer recomputed as one region holds less than its units' figures add up to (probe 1)."""
+    runtime, gc_plan = probes.runtime, probes.gc_plan
+    if not (probes.probed_layers and runtime.whole_blocks(gc_plan)):
+        return 0.0
+    # GC's plan = the units' figures minus a region saving per layer
+    table = CostTable(units, tokens, unmanaged, element_size)
+    gc_costs = {u.name: RECOMPUTE if u.name in gc_plan else KEEP for u in units}
+    return max((table.held(gc_costs, tokens) + unmanaged - _total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
+
+
+def _bandwidths(clock: DeviceClock, device: torch.device, units: list[UnitProfile],
+                element_size: int) -> tuple[float, float]:
+    """Codec and host-copy bandwidths, on samples the size of the largest unit's saved bytes."""
     # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
     nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
-    codec, host = codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
-    table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=overhead, **kwargs)
-    # the kept pass: a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
-    measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(gc_passes), gc_plan)
-    table.keep_pass_s = max(measured - table.seconds({u.name: under.get(u.name, KEEP) for u in units}, tokens), 0.0)
-    return table
+    return codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
+
+
+def _keep_pass_seconds(probes: _Probes, hands_off: float, table: CostTable, tokens: int) -> float:
+    """The pass with every unit kept: a measured GC pass less the table's price of its recompute."""
+    # a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
+    runtime = probes.runtime
+    measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(probes.gc_passes), probes.gc_plan)
+    return max(measured - table.seconds({u.name: under.get(u.name, KEEP) for u in table.units}, tokens), 0.0)
 
 
 def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[float, float]:
