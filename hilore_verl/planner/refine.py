@@ -1,7 +1,9 @@
 """Local search on a plan under the memory model: the solver prices units one by one, but a layer with
 recomputed units is one region whose bytes depend on the layer's whole plan (`CostTable.held_by_layer`).
 From a plan that fits, single-unit changes that the model says still fit and save the most time are
-taken one at a time until none is left. Each change is priced on its own layer only (its option's
+taken one at a time until none is left; then the pair of changes that saves the most (one unit faster,
+paid for by the bytes another unit's slower option frees: the swaps the solver's one-by-one pricing
+misses), and the single changes again, until no change or pair fits and saves time. Each change is priced on its own layer only (its option's
 bytes and the layer's region bytes), so a pass costs units x options x layer size, not a model per
 candidate. A whole recomputed layer's region saving is credited only where every unit of the layer
 recomputes (the runtime's own test is wider), so the search errs towards fitting.
@@ -62,8 +64,49 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPl
                     more = layer_bytes(members, {**picks, i: j}) - now
                     if more <= room:
                         best = (gain, i, j, more, more_risk)
-        if best is None:
+        if best is not None:
+            _, i, j, more, more_risk = best
+            chosen[i], room, risk2 = j, room - more, risk2 + more_risk
+            continue
+        pair = _best_pair(by_layer, options, chosen, layer_bytes, room, risk2_budget - risk2)
+        if pair is None:
             break
-        _, i, j, more, more_risk = best
-        chosen[i], room, risk2 = j, room - more, risk2 + more_risk
+        (i, j), (i2, j2), more, more_risk = pair
+        chosen[i], chosen[i2], room, risk2 = j, j2, room - more, risk2 + more_risk
     return {u.name: options[i][c].plan for i, (u, c) in enumerate(zip(units, chosen))}
+
+
+def _best_pair(by_layer, options, chosen, layer_bytes, room: float, risk2_room: float):
+    """Where no single change fits and saves time: the pair of changes that saves the most time and fits,
+    a faster option for one unit paid for by bytes another unit's slower option frees (two units of one
+    layer are priced together: its region bytes depend on both). ((unit, option), (unit, option), bytes
+    more, risk^2 more), or None."""
+    moves = []  # (time saved, bytes more, risk^2 more, unit, option, layer)
+    for layer, members in by_layer.items():
+        picks = {i: chosen[i] for i in members}
+        now = layer_bytes(members, picks)
+        for i in members:
+            current = options[i][chosen[i]]
+            for j, o in enumerate(options[i]):
+                if j != chosen[i]:
+                    moves.append((current.time - o.time, layer_bytes(members, {**picks, i: j}) - now,
+                                  o.risk ** 2 - current.risk ** 2, i, j, layer))
+    takes = sorted((m for m in moves if m[0] > 0), key=lambda m: -m[0])
+    releases = sorted((m for m in moves if m[1] < 0), key=lambda m: -m[0])
+    best, best_gain = None, 0.0
+    for t in takes:
+        for r in releases:
+            gain = t[0] + r[0]
+            if gain <= best_gain * (1 + 1e-12):
+                break  # releases by time lost, least first: none after this one does better
+            if r[3] == t[3] or t[2] + r[2] > risk2_room * (1 + 1e-12) + 1e-30:
+                continue
+            if r[5] == t[5]:  # one layer: priced together
+                members = by_layer[t[5]]
+                picks = {i: chosen[i] for i in members}
+                more = layer_bytes(members, {**picks, t[3]: t[4], r[3]: r[4]}) - layer_bytes(members, picks)
+            else:
+                more = t[1] + r[1]
+            if more <= room:
+                best, best_gain = ((t[3], t[4]), (r[3], r[4]), more, t[2] + r[2]), gain
+    return best
