@@ -68,7 +68,7 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPl
             _, i, j, more, more_risk = best
             chosen[i], room, risk2 = j, room - more, risk2 + more_risk
             continue
-        pair = _best_pair(by_layer, options, chosen, layer_bytes, room, risk2_budget - risk2)
+        pair = _best_pair(by_layer, options, chosen, layer_bytes, room, risk2, risk2_budget)
         if pair is None:
             break
         (i, j), (i2, j2), more, more_risk = pair
@@ -76,20 +76,20 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPl
     return {u.name: options[i][c].plan for i, (u, c) in enumerate(zip(units, chosen))}
 
 
-def _best_pair(by_layer, options, chosen, layer_bytes, room: float, risk2_room: float):
+def _best_pair(by_layer, options, chosen, layer_bytes, room: float, risk2: float, risk2_budget: float):
     """Where no single change fits and saves time: the pair of changes that saves the most time and fits,
     a faster option for one unit paid for by bytes another unit's slower option frees (two units of one
     layer are priced together: its region bytes depend on both). ((unit, option), (unit, option), bytes
     more, risk^2 more), or None."""
-    moves = []  # (time saved, bytes more, risk^2 more, unit, option, layer)
+    moves, now = [], {}  # (time saved, bytes more, risk^2 more, unit, option, layer); layer -> its bytes
     for layer, members in by_layer.items():
         picks = {i: chosen[i] for i in members}
-        now = layer_bytes(members, picks)
+        now[layer] = layer_bytes(members, picks)
         for i in members:
             current = options[i][chosen[i]]
             for j, o in enumerate(options[i]):
                 if j != chosen[i]:
-                    moves.append((current.time - o.time, layer_bytes(members, {**picks, i: j}) - now,
+                    moves.append((current.time - o.time, layer_bytes(members, {**picks, i: j}) - now[layer],
                                   o.risk ** 2 - current.risk ** 2, i, j, layer))
     takes = sorted((m for m in moves if m[0] > 0), key=lambda m: -m[0])
     releases = sorted((m for m in moves if m[1] < 0), key=lambda m: -m[0])
@@ -99,12 +99,12 @@ def _best_pair(by_layer, options, chosen, layer_bytes, room: float, risk2_room: 
             gain = t[0] + r[0]
             if gain <= best_gain * (1 + 1e-12):
                 break  # releases by time lost, least first: none after this one does better
-            if r[3] == t[3] or t[2] + r[2] > risk2_room * (1 + 1e-12) + 1e-30:
+            if r[3] == t[3] or risk2 + t[2] + r[2] > risk2_budget * (1 + 1e-12):  # the single moves' test
                 continue
             if r[5] == t[5]:  # one layer: priced together
                 members = by_layer[t[5]]
                 picks = {i: chosen[i] for i in members}
-                more = layer_bytes(members, {**picks, t[3]: t[4], r[3]: r[4]}) - layer_bytes(members, picks)
+                more = layer_bytes(members, {**picks, t[3]: t[4], r[3]: r[4]}) - now[t[5]]
             else:
                 more = t[1] + r[1]
             if more <= room:
