@@ -15,6 +15,7 @@ import math
 import torch
 
 from hilore_verl.config import HiLoReConfig
+from hilore_verl.exposure import read_floats
 from hilore_verl.planner import profile
 from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
@@ -27,16 +28,40 @@ HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's se
 def measure(config: HiLoReConfig, runtime: Runtime, passes, collectives,
             micro_batches: list) -> tuple[CostTable, RiskModel | None]:
     """The cost table and (with a risk budget and known coefficients) the risk model, measured on
-    probes of `micro_batches` (this rank's) and averaged over ranks; the runtime's plan is reset."""
+    probes of `micro_batches` (this rank's) and averaged over ranks; the runtime's plan is reset. The
+    risk model comes back uncalibrated (`RiskModel.calibrated` false) when no rank's micro-batches have
+    a loss term: the session then calibrates it at the first mini-batch that has one
+    (`calibrate_risk`)."""
     bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
     costs = _profile(config, runtime, passes, collectives, probe(passes, micro_batches[0], bound))
+    average_over_ranks(collectives, costs, None)
     risk = None
     if config.risk_budget > 0 and passes.has_coefficients:
-        risk = _calibrate(config, runtime, passes, micro_batches, bound)
-    average_over_ranks(collectives, costs, risk)
+        risk = RiskModel()
+        calibrate_risk(config, runtime, passes, collectives, micro_batches, risk)
     passes.zero_grad()
     runtime.set_plan({})
     return costs, risk
+
+
+def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, micro_batches: list,
+                   model: RiskModel) -> bool:
+    """Calibrate `model` in place on `micro_batches` (this rank's), averaged over ranks; True when it is
+    calibrated after. A mini-batch without a loss term on any rank (every coefficient zero: groups that
+    share one reward, the first steps of many GRPO runs) measures nothing: no probe runs, `model` is
+    unchanged and False comes back. Every rank decides alike (one reduction) and runs the same probe
+    passes, whose FSDP collectives pair; a rank whose own micro-batches have no exposure measures nothing
+    and takes the others' figures. `model` changes only when every probe has run."""
+    squares = read_floats([passes.coefficients(mb).double().pow(2).sum() for mb in micro_batches])
+    if collectives.reduce([sum(squares)], "sum")[0] <= 0:
+        return False
+    bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
+    measured = _calibrate(config, runtime, passes, micro_batches, bound)
+    _average_risk(collectives, [u.name for u in runtime.units], measured)
+    passes.zero_grad()
+    runtime.set_plan({})
+    model.load_state_dict(measured.state_dict())
+    return model.calibrated
 
 
 def probe(passes, micro_batch, bound: int, priority=None):
@@ -93,28 +118,35 @@ def _calibrate(config: HiLoReConfig, runtime: Runtime, passes, micro_batches: li
                               groups={u.name: u.group for u in runtime.units})
 
 
-def average_over_ranks(collectives, costs: CostTable, risk: RiskModel | None) -> None:
-    """Every rank must plan from the same numbers: average the measured ones (a fixed-length
-    vector on every rank; a sensitivity only where some rank measured it)."""
+def average_over_ranks(collectives, costs: CostTable, risk: RiskModel | None = None) -> None:
+    """Every rank must plan from the same numbers: average the measured ones (a fixed-length vector on
+    every rank), the cost table's and, given one, the risk model's."""
+    if risk is not None:
+        _average_risk(collectives, [u.name for u in costs.units], risk)
     if collectives.world_size == 1:
         return
-    names = [u.name for u in costs.units]
     figures = measured_values(costs)
-    values = figures + [float(costs.tokens)]
-    if risk is not None:
-        for n in names:  # (sum of log sensitivity, how many ranks measured it)
-            measured = n in risk.sensitivity
-            values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
-        values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
     world = collectives.world_size
-    it = iter(collectives.reduce(values, "sum"))
+    it = iter(collectives.reduce(figures + [float(costs.tokens)], "sum"))
     set_measured_values(costs, [next(it) / world for _ in figures])
     costs.tokens = int(round(next(it) / world))
-    if risk is not None:
-        risk.sensitivity.clear()
-        for n in names:
-            total, count = next(it), next(it)
-            if count:
-                risk.sensitivity[n] = math.exp(total / count)
+
+
+def _average_risk(collectives, names: list[str], risk: RiskModel) -> None:
+    """Sensitivities as the geometric mean over the ranks that measured each unit (a rank whose probe had
+    no exposure measured none), the gradient scale over the ranks that measured one."""
+    if collectives.world_size == 1:
+        return
+    values = []
+    for n in names:  # (sum of log sensitivity, how many ranks measured it)
+        measured = n in risk.sensitivity
+        values += [math.log(risk.sensitivity[n]) if measured else 0.0, float(measured)]
+    values += [risk.grad_scale or 0.0, float(bool(risk.grad_scale))]
+    it = iter(collectives.reduce(values, "sum"))
+    risk.sensitivity.clear()
+    for n in names:
         total, count = next(it), next(it)
-        risk.grad_scale = total / count if count else None
+        if count:
+            risk.sensitivity[n] = math.exp(total / count)
+    total, count = next(it), next(it)
+    risk.grad_scale = total / count if count else None

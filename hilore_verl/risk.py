@@ -57,12 +57,19 @@ class RiskModel:
     _log_sum: dict[str, float] = field(default_factory=dict, repr=False)
     _count: dict[str, int] = field(default_factory=dict, repr=False)
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether some unit's sensitivity and the gradient's scale were measured. Until then no lossy unit
+        can be priced: a planner plans exactly (keep / recompute) and calibrates again at the first
+        micro-batch with a loss term (every probe of a zero-exposure micro-batch is ignored)."""
+        return bool(self.sensitivity) and bool(self.grad_scale)
+
     def sensitivity_of(self, unit: str) -> float:
         """Calibrated value, or the largest calibrated one (conservative) for a unit never measured."""
         if unit in self.sensitivity:
             return self.sensitivity[unit]
         if not self.sensitivity:
-            raise ValueError("the risk model is not calibrated: run calibrate() first")
+            raise ValueError("the risk model is not calibrated (no probe had exposure): plan exactly until it is")
         return max(self.sensitivity.values())
 
     def unit_risk(self, unit: str, plan: Union[str, UnitPlan], exposure_l2: float) -> float:

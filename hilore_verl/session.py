@@ -115,6 +115,7 @@ class Session:
         self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
         self._clock: DeviceClock | None = None
         self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark, tokens), read at the next
+        self._measured_now = False  # build_controller probed (rather than restored) at this call
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict | None:
@@ -140,6 +141,7 @@ class Session:
         """What the first mini-batch does before training (`train` calls it): profile the cost table and
         calibrate the risk model on `micro_batches` (this rank's), average them over ranks, build the
         controller; after `restore(state)`, the saved state instead (no probes)."""
+        self._measured_now = self._restored is None  # the probes ran on these micro-batches
         if self._restored is not None:  # a resumed run: the saved costs and calibration, no probes
             state, self._restored = self._restored, None
             self.controller = self._make_controller(Controller.costs_from_state(state),
@@ -150,6 +152,10 @@ class Session:
             return
         costs, risk = calibration.measure(self.config, self.runtime, self.passes, self.collectives, micro_batches)
         self.controller = self._make_controller(costs, risk)
+        if risk is not None and not risk.calibrated:
+            logger.warning("hilore-verl: no loss term in the first mini-batch on any rank (every coefficient is "
+                           "zero): the risk model is not calibrated, so plans are exact (keep / recompute) until "
+                           "a mini-batch with a loss term calibrates it")
         largest = max(sum(self.passes.lengths(mb)) for mb in micro_batches)  # GC's peak as without shared prompts
         gc_peak = self.controller.predicted_peak(self.controller.gc_plan(), largest)
         logger.warning("hilore-verl: planning under %.3f GiB (gradient checkpointing needs %.3f GiB at %d tokens per "
@@ -178,20 +184,13 @@ class Session:
         if first:
             self.build_controller(micro_batches)
         self.step += 1
+        if self._uncalibrated() and not (first and self._measured_now):
+            self._optional("calibrating the risk model", lambda: self._calibrate(micro_batches))
         self._begin(micro_batches, tokens)
         self._meter().start()
         if self.controller.audit_due(self.step) and self.passes.has_coefficients:
-            failed = False
-            try:
-                self._audit(micro_batches)  # its metrics are in controller.metrics() for this mini-batch only
-            except torch.OutOfMemoryError:
-                failed = True  # an audit is worth less than the step: skip it, train
-            if failed:
-                self._recover()
-                if not self.collectives.every_rank_failed():
-                    raise StepFailed(f"hilore-verl: out of memory in the gradient audit at step {self.step} on "
-                                     "this rank only; training stops here with this rank's state as before the step")
-                logger.warning("hilore-verl: out of memory in the gradient audit at step %d; audit skipped", self.step)
+            # its metrics are in controller.metrics() for this mini-batch only
+            self._optional("the gradient audit", lambda: self._audit(micro_batches))
         clock = self._device_clock()
         start = clock.mark()
         out = self._train_with_retries(step)
@@ -203,6 +202,36 @@ class Session:
         metrics = self.controller.metrics()
         metrics["hilore/oom_retries"] = float(self.retries)
         return out, metrics
+
+    def _optional(self, what: str, work: Callable[[], Any]) -> None:
+        """Extra passes worth less than the step (the audit, a late calibration): out of memory on every
+        rank skips them (said once, tried again on their next turn); on this rank only, StepFailed."""
+        failed = False
+        try:
+            work()
+        except torch.OutOfMemoryError:
+            failed = True  # outside the except block: the failed passes' graph went with the traceback
+        if failed:
+            self._recover()
+            if not self.collectives.every_rank_failed():
+                raise StepFailed(f"hilore-verl: out of memory in {what} at step {self.step} on this rank only; "
+                                 "training stops here with this rank's state as before the step")
+            logger.warning("hilore-verl: out of memory in %s at step %d; skipped", what, self.step)
+
+    def _uncalibrated(self) -> bool:
+        """A risk model waits for its calibration (no loss term in the mini-batches it was measured on)."""
+        risk = self.controller.risk
+        return risk is not None and not risk.calibrated and self.passes.has_coefficients
+
+    def _calibrate(self, micro_batches) -> None:
+        """The risk model, calibrated on this mini-batch where some rank's micro-batches have a loss term
+        (every rank decides alike); the controller plans lossy units from the next plan on."""
+        ctl = self.controller
+        if calibration.calibrate_risk(self.config, self.runtime, self.passes, self.collectives, micro_batches,
+                                      ctl.risk):
+            ctl.calibrated()
+            logger.warning("hilore-verl: risk model calibrated at step %d (the first mini-batch with a loss term, "
+                           "%d units measured): plans may compress from now on", self.step, len(ctl.risk.sensitivity))
 
     def _begin(self, micro_batches, tokens) -> None:
         """Every micro-batch's predicted exposure (on-policy point) and tokens (those its layers compute

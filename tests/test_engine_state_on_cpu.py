@@ -14,7 +14,8 @@ import torch
 from hilore_verl.tiny_models import save_tiny_model, tiny_config
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
-from tests.test_hilore_engine_on_cpu import WORKLOAD, _gpu_like_profile
+from tests.harness.profiles import gpu_like_profile
+from tests.test_hilore_engine_on_cpu import WORKLOAD
 
 
 def _bare_engine(**attributes):
@@ -132,7 +133,7 @@ def _audits(rank, world_size, model_dir, batch):
     from hilore_verl.planner.controller import Controller
     from hilore_verl.runtime import Mode, UnitPlan
 
-    calibration.profile = _gpu_like_profile(calibration.profile)
+    calibration.profile = gpu_like_profile(calibration.profile)
     picked = []  # the micro-batch each audit chose
     choose = getattr(Controller, "audit_micro_batch", None)
     if choose is not None:
@@ -193,7 +194,7 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     profiles = []
-    real = _gpu_like_profile(calibration.profile)
+    real = gpu_like_profile(calibration.profile)
     calibration.profile = lambda *a, **k: profiles.append(1) or real(*a, **k)
     handler = _Messages()
     logging.getLogger("hilore_verl").addHandler(handler)

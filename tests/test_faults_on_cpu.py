@@ -117,9 +117,9 @@ def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
     import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
-    from tests.test_hilore_engine_on_cpu import _gpu_like_profile
+    from tests.harness.profiles import gpu_like_profile
 
-    calibration.profile = _gpu_like_profile(calibration.profile)  # plans that do not depend on timing
+    calibration.profile = gpu_like_profile(calibration.profile)  # plans that do not depend on timing
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -227,9 +227,9 @@ def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     import hilore_verl.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
-    from tests.test_hilore_engine_on_cpu import _gpu_like_profile
+    from tests.harness.profiles import gpu_like_profile
 
-    calibration.profile = _gpu_like_profile(calibration.profile)
+    calibration.profile = gpu_like_profile(calibration.profile)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     engine = build_fsdp_engine(model_dir, lr=1e-2, engine_cls=HiLoReFSDPEngine, actor_config=config,

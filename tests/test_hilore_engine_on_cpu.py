@@ -5,32 +5,17 @@ recompute, so gradients must be bitwise those of stock verl. Risk budget > 0: co
 appear and the gradient stays within the runtime's bounds (cosine >= 0.999, 0.996 with int4).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from hilore_verl.tiny_models import save_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
+from tests.harness.profiles import gpu_like_profile
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)
-
-
-def _gpu_like_profile(real_profile):
-    """On CPU the torch reference codec is slower than recomputing these tiny units, so the planner
-    rightly recomputes; give the measured table a GPU's proportions so that compression is worth it.
-    The hooks' overhead is set too (none, as on a GPU): measured, it made the plan depend on the host's
-    timing (a slow probe priced the hands-off baseline cheaper and no unit compressed), and every unit's
-    forward time is linear in tokens (the measured quadratic and fixed shares of a tiny unit's time are
-    noise that made the plan, and whether any unit compressed, differ from run to run)."""
-    import dataclasses
-
-    def profile(*args, **kwargs):
-        costs = dataclasses.replace(real_profile(*args, **kwargs), codec_bytes_per_s=1e12, runtime_overhead_s=0.0)
-        costs.units = [dataclasses.replace(u, forward_s=1e-3, forward_quadratic=0.0, forward_fixed=0.0)
-                       for u in costs.units]
-        return costs
-
-    return profile
 
 
 def _cosine(grads, ref) -> float:
@@ -55,7 +40,7 @@ def _compare(rank, world_size, model_dir, batch, risk_budget):
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    calibration.profile = _gpu_like_profile(calibration.profile)
+    calibration.profile = gpu_like_profile(calibration.profile)
 
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
@@ -105,7 +90,7 @@ def _audit_and_oom(rank, world_size, model_dir, batch):
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    calibration.profile = _gpu_like_profile(calibration.profile)
+    calibration.profile = gpu_like_profile(calibration.profile)
     config = actor_config()
     loss_fn = ppo_loss_fn(config)  # no actor_config passed: the engine takes it from the bound loss
 
@@ -210,3 +195,43 @@ def test_start_up_checks_the_codec_launch_where_compression_can_run(monkeypatch)
     assert check_codec_device(HiLoReConfig(enable=True, risk_budget=0.0), cuda) is True  # keep / recompute only
     assert check_codec_device(HiLoReConfig(enable=True), torch.device("cpu")) is True
     assert asked == [cuda]
+
+
+def _first_steps_without_exposure(rank, world_size, model_dir, batch):
+    """verl's engine on data a GRPO run starts with: step 1 with every advantage zero on every rank, step 2
+    with exposure on rank 1 only, step 3 on both."""
+    import hilore_verl.calibration as calibration
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
+
+    calibration.profile = gpu_like_profile(calibration.profile)
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)
+    flat = {**batch, "advantages": torch.zeros_like(batch["advantages"])}
+    stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
+    engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
+                               engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
+    _, exact = _train_step(stock, flat, rank, world_size, loss_fn)
+    steps = []
+    for data in (flat, flat if rank == 0 else batch, batch):
+        out, grads = _train_step(engine, data, rank, world_size, loss_fn)
+        steps.append({"metrics": {k: v for k, v in out["metrics"].items() if k.startswith("hilore/")},
+                      "bitwise": all(torch.equal(grads[n], g) for n, g in exact.items()),
+                      "plans": [dict(r.plan) for r in engine.controller.history]})
+    return steps, dict(engine.controller.risk.sensitivity)
+
+
+def test_an_engine_starting_without_exposure_trains_exactly_then_calibrates(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    every_group = dataclasses.replace(WORKLOAD, zero_advantage_share=0.0)  # exposure on both ranks' shards
+    (steps0, sens0), (steps1, sens1) = run_on_ranks(_first_steps_without_exposure, 2,
+                                                   args=(model_dir, make_grpo_batch(every_group, seed=3)))
+    first, second, third = steps0
+    assert first["metrics"]["hilore/risk_calibrated"] == [0.0] and first["bitwise"]  # stock verl's (zero) gradient
+    assert "hilore/audit/cosine" not in first["metrics"]  # exact plans: nothing to audit
+    assert all(p.exact for plan in first["plans"] for p in plan.values())
+    assert second["metrics"]["hilore/risk_calibrated"] == [1.0] and "hilore/audit/cosine" in second["metrics"]
+    assert sens0 == sens1 and len(sens0) > 0  # rank 1's measurement on both ranks
+    assert steps0[-1]["plans"] == steps1[-1]["plans"]
+    assert any(not p.exact for plan in third["plans"] for p in plan.values())  # compressing pays (GPU-like table)

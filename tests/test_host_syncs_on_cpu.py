@@ -26,7 +26,8 @@ import torch
 from hilore_verl.tiny_models import save_tiny_model
 from hilore_verl.workload import make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
-from tests.test_hilore_engine_on_cpu import WORKLOAD, _gpu_like_profile
+from tests.harness.profiles import gpu_like_profile
+from tests.test_hilore_engine_on_cpu import WORKLOAD
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy",
          "masked_select")
@@ -97,7 +98,7 @@ def _forward_reads(rank, world_size, model_dir, batch, hilore):
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
-    calibration.profile = _gpu_like_profile(calibration.profile)
+    calibration.profile = gpu_like_profile(calibration.profile)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     stock = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True)

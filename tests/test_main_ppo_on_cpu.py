@@ -98,11 +98,21 @@ def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
     assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
 
 
-def test_legacy_trainer_use_v1_false(tmp_path, task):
+def test_legacy_trainer_starting_without_a_loss_term_calibrates_later(tmp_path, task):
+    """verl's legacy trainer (use_v1=false) on a run whose first step has no loss term anywhere (every response
+    rewarded 0: a GRPO run's first steps on a hard task): the first step plans exactly with an uncalibrated
+    risk model, the first mini-batch with a loss term calibrates it."""
+    reward = REPO / "tests" / "harness" / "flat_start_reward.py"
     rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=true", "trainer.use_v1=false",
-                              "trainer.total_training_steps=1")
+                              "trainer.total_training_steps=2", f"reward.custom_reward_function.path={reward}",
+                              "+reward.custom_reward_function.reward_kwargs.flat_calls=64")  # step 1: 8 x 8
     assert rc == 0, out[-6000:]
-    assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
+    assert [s["step"] for s in steps] == [1, 2] and "actor/hilore/plan/budget_gib" in steps[0]["data"]
+    first, second = (s["data"] for s in steps)
+    assert first["critic/score/mean"] == 0.0 and first["actor/hilore/risk_calibrated"] == 0.0
+    assert "the risk model is not calibrated" in out
+    assert 0.0 < second["critic/score/mean"] < 1.0  # rewards that differ within groups from step 2
+    assert second["actor/hilore/risk_calibrated"] == 1.0 and "risk model calibrated at step" in out
 
 
 def test_shared_prompt_through_the_trainer(tmp_path, task):

@@ -20,6 +20,7 @@ from hilore_verl.session import Session
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch, response_log_probs
 from tests.harness.distributed import run_on_ranks
+from tests.harness.profiles import gpu_like_profile
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=40)
 
@@ -345,3 +346,79 @@ def test_an_overshoot_within_the_meters_noise_is_not_acted_on():
     measured, _ = session.controller.measured
     assert measured > session.controller.memory_budget_at(max(row for _, _, row in session.controller._micro))
     assert session.controller.peak_factor == 1.0
+
+
+def _without_loss_term(micro_batches: list[dict]) -> list[dict]:
+    """The micro-batches with every coefficient zero (groups whose responses all share one reward)."""
+    return [{**mb, "c": torch.zeros_like(mb["c"])} for mb in micro_batches]
+
+
+def test_a_first_mini_batch_without_exposure_plans_exactly_then_calibrates_at_the_first_with_one(caplog, monkeypatch):
+    """What a GRPO run meets in its first steps: no loss term anywhere. No lossy unit can be priced, so the
+    plans are exact (bitwise plain PyTorch) and no audit runs; the first mini-batch with a loss term
+    calibrates (said in the log), and plans may compress from then on."""
+    monkeypatch.setattr(calibration, "profile", gpu_like_profile(calibration.profile))  # compressing pays
+    model, _, session, train = _trainer(True, risk_budget=0.5, audit_every=1)
+    plain, _, _, plain_train = _trainer(False)
+    for seed in (0, 1):  # two mini-batches without exposure
+        metrics = train(_without_loss_term(_micro_batches(seed)))
+        plain_train(_without_loss_term(_micro_batches(seed)))
+        assert metrics["hilore/risk_calibrated"] == 0.0 and "hilore/audit/cosine" not in metrics
+        assert all(p.exact for record in session.controller.history for p in record.plan.values())
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(plain)))
+    assert "the risk model is not calibrated" in caplog.text
+    metrics = train(_micro_batches(2))
+    assert "risk model calibrated at step 3" in caplog.text
+    assert metrics["hilore/risk_calibrated"] == 1.0 and "hilore/audit/cosine" in metrics
+    risk = session.controller.risk
+    assert risk.calibrated and set(risk.sensitivity) == {u.name for u in session.runtime.units}
+    assert session.controller.audit.risk is risk  # the audit re-scales the model the plans use
+    lossy = {p.fmt for r in session.controller.history[-2:] for p in r.plan.values() if not p.exact}
+    assert lossy, "a calibrated model with risk budget 0.5 compresses on this model"
+
+
+def test_an_uncalibrated_state_from_a_checkpoint_calibrates_after_resuming(caplog):
+    _, _, first, train = _trainer(True, risk_budget=0.5)
+    train(_without_loss_term(_micro_batches(0)))
+    state = first.state_dict()
+    assert state["risk"]["sensitivity"] == {}
+    _, _, resumed, resumed_train = _trainer(True, risk_budget=0.5)
+    resumed.restore(state)
+    assert resumed_train(_micro_batches(1))["hilore/risk_calibrated"] == 1.0
+    assert "resumed from the checkpoint" in caplog.text and "risk model calibrated at step 1" in caplog.text
+
+
+def _exposure_on_one_rank(rank, world_size):
+    """Step 1: no exposure on any rank; step 2: exposure on rank 1 only (rank 0's micro-batches all
+    zero-advantage, as the skip's filler micro-batches are); step 3: both."""
+    from hilore_verl.integration.actor.collectives import DataParallel
+
+    model = build_tiny_model("qwen2", seed=0).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
+    passes = PlainPasses(model, runtime, optimizer)
+    session = Session(HiLoReConfig(enable=True, min_bytes=1024, risk_budget=0.5, audit_every=0), runtime, passes,
+                      DataParallel(None, 30))
+
+    def step(micro_batches):
+        optimizer.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            session.before_forward()
+            (-(response_log_probs(model, mb) * mb["c"]).sum()).backward()
+        return session.optimizer_step(optimizer.step, None)
+
+    calibrated = []
+    for seed, zero in ((0, True), (1, rank == 0), (2, False)):
+        mbs = _micro_batches(10 * seed + rank)
+        mbs = _without_loss_term(mbs) if zero else mbs
+        _, metrics = session.train(mbs, lambda: step(mbs), lambda mb: int(mb["attention_mask"].sum()))
+        calibrated.append(metrics["hilore/risk_calibrated"])
+    risk = session.controller.risk
+    return calibrated, dict(risk.sensitivity), risk.grad_scale, [dict(r.plan) for r in session.controller.history]
+
+
+def test_ranks_calibrate_alike_when_only_one_has_exposure():
+    (cal0, sens0, scale0, plans0), (cal1, sens1, scale1, plans1) = run_on_ranks(_exposure_on_one_rank, 2)
+    assert cal0 == cal1 == [0.0, 1.0, 1.0]
+    assert sens0 == sens1 and scale0 == scale1 and scale0 > 0  # rank 1's figures on both ranks
+    assert plans0 == plans1

@@ -296,8 +296,14 @@ class Controller(PlanSearch):
         self._cache.clear()
 
     def audit_due(self, step: int) -> bool:
-        """Whether the integration should compute an exact gradient next to this step's approximate one."""
-        return self.audit is not None and self.audit.due(step)
+        """Whether the integration should compute an exact gradient next to this step's approximate one
+        (never while the risk model is not calibrated: every plan is exact then)."""
+        return self.audit is not None and self.risk.calibrated and self.audit.due(step)
+
+    def calibrated(self) -> None:
+        """The risk model was calibrated after the controller was built (its first mini-batch had no loss
+        term): plans made from now on may compress."""
+        self._cache.clear()
 
     def audit_micro_batch(self, step: int, exposure_l2: list[float] | None = None) -> int | None:
         """Which micro-batch of this mini-batch to audit at `step`: one with exposure, rotating over
@@ -381,6 +387,8 @@ class Controller(PlanSearch):
                     "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][2]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
                     "hilore/plan/solver_ms": last.solve_ms})
+        if self.risk is not None:
+            out["hilore/risk_calibrated"] = float(self.risk.calibrated)
         if self.measured is not None:
             out.update({"hilore/memory/measured_peak_gib": self.measured[0] / 2**30,
                         "hilore/memory/predicted_peak_gib": self.measured[1] / 2**30,

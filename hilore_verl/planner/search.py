@@ -59,11 +59,11 @@ class PlanSearch:
     def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
                row: int | None = None) -> dict[str, UnitPlan]:
         risk = None
-        if self.risk is not None:  # priced with the codec as it will run (group size, stochastic rounding)
+        if self.risk is not None and self.risk.calibrated:  # priced with the codec as it will run
             risk = lambda unit, plan: self.risk.unit_risk(unit, self._as_run(plan), l2)  # noqa: E731
         options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
                    for u in self.costs.units]
-        if self.risk is None:  # nothing calibrated: lossy modes are not allowed
+        if risk is None:  # no risk model, or nothing calibrated yet: lossy modes are not allowed
             allowance = 0.0
         budget = self.activation_budget(tokens, row)
         limit = self.limit(tokens if row is None else row)
