@@ -71,10 +71,85 @@ ROWS = [(8, 4, 96, 64)]  # a per-head query (B, H, T, D) saved before
     ((768, 4), [(768, 256)], False),               # router probabilities
 ])
 def test_row_statistics_are_told_from_activations(shape, earlier, statistic):
+    """A statistic is a non-differentiable output (LSE, a fused norm's rstd) or a keepdim reduction: the
+    same shape requiring grad (an activation autograd differentiates through) is one only with last dim 1."""
     rows = RowShapes()
     for s in earlier:
         rows.note(torch.Size(s))
-    assert is_row_statistic(torch.Size(shape), rows) == statistic
+    assert is_row_statistic(torch.empty(shape), rows) == statistic
+    assert is_row_statistic(torch.empty(shape, requires_grad=True), rows) == (shape[-1] == 1)
+
+
+class _Attention(torch.autograd.Function):
+    """Causal attention with a flash-style backward from its saved log-sum-exp, saving (q, k, v, out, lse)
+    in a given order: what a compiled kernel (FlexAttention) may do differently from SDPA."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, lse_first):
+        T = q.shape[-2]
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # (B, H, T) fp32, non-differentiable
+        out = (torch.exp(scores - lse[..., None]) @ v.float()).to(q.dtype)
+        ctx.scale = scale
+        ctx.save_for_backward(*((lse, q, k, v, out) if lse_first else (q, k, v, out, lse)))
+        ctx.lse_first = lse_first
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        saved = ctx.saved_tensors
+        lse, q, k, v, out = saved if ctx.lse_first else (saved[4], *saved[:4])
+        T = q.shape[-2]
+        scores = (q.float() @ k.float().transpose(-1, -2)) * ctx.scale
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(scores - lse[..., None])
+        g = g.float()
+        dv = p.transpose(-1, -2) @ g
+        ds = p * (g @ v.float().transpose(-1, -2) - (g * out.float()).sum(-1, keepdim=True))
+        dq, dk = ds @ k.float() * ctx.scale, ds.transpose(-1, -2) @ q.float() * ctx.scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _attention(lse_first: bool):
+    """A transformers attention function over `_Attention`."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = _Attention.apply(query, key, value, scaling, lse_first)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+def test_a_statistic_is_kept_exact_whatever_the_order_its_op_saves_it_in(monkeypatch):
+    """The attention saves its log-sum-exp before or after the query it describes (no tensor of its rows seen
+    before it in the first order): either way it is held exact and counted as a statistic, the rest is
+    compressed, and the gradients are bitwise the same."""
+    from transformers import AttentionInterface
+
+    B, H, T = 2, 4, 128
+    ids = torch.randint(3, 512, (B, T), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for lse_first in (True, False):
+        name = f"hilore_test_lse_{'first' if lse_first else 'last'}"
+        AttentionInterface.register(name, _attention(lse_first))
+        model = build_tiny_model("qwen2", seed=0, hidden_size=256, num_attention_heads=H).train()
+        model.config._attn_implementation = name
+        rt = attach(model, RuntimeConfig(min_bytes=1024))
+        rt.set_plan(Plan(default="int4"))
+        seen = _capture(monkeypatch) if lse_first else seen  # noqa: F821 (the hook stays patched)
+        seen.clear()
+        _step(model, ids)
+        lse = [(t, copy, h) for t, copy, h in seen if tuple(t.shape) == (B, H, T)]
+        assert len(lse) == 2 and all(torch.equal(h.get(), copy) for _, copy, h in lse)  # one per layer, exact
+        queries = [h for t, _, h in seen if tuple(t.shape) == (B, H, T, 64)]
+        assert queries and all(isinstance(h, Checked) for h in queries)  # compressed
+        core = [rt.stats().units[f"layers.{i}.attn.core"].statistic_bytes for i in range(2)]
+        assert core == [B * H * T * 4] * 2
+        results[lse_first] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
 
 
 class _SavesTransposed(torch.autograd.Function):

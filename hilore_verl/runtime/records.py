@@ -323,7 +323,7 @@ class CallRecord:
     """One forward call of a unit's module inside a region: where to find its tensors again."""
 
     __slots__ = ("module", "unit", "region", "order", "child_count", "own_count", "regen", "pending", "handles",
-                 "rows", "__weakref__")
+                 "rows", "undecided", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, unit: Any):
         self.module = module
@@ -335,7 +335,8 @@ class CallRecord:
         self.regen: dict | None = None  # locator -> regenerated tensor, while handles are pending
         self.handles: dict = {}  # locator -> handles dropped for it in forward
         self.pending: dict = {}  # locator -> handles not yet unpacked in this backward
-        self.rows: Any = None  # row shapes of what the call's code saved so far (saving.RowShapes)
+        self.rows: Any = None  # row shapes of the call's float inputs and saves so far (saving.RowShapes)
+        self.undecided: list | None = None  # saves whose holding waits for the call's end (saving.Undecided)
 
     def drop(self, locator: tuple, geometry: Geometry | None, watch: "VersionWatch") -> "Dropped":
         self.handles[locator] = self.handles.get(locator, 0) + 1

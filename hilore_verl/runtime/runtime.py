@@ -35,7 +35,7 @@ from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_state, rerun, rng_like, rng_state
 from hilore_verl.runtime.records import CallRecord, Dropped, Region, WaitCount, map_tensors, tensor_leaves
-from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensorHooks, is_parameter_like, unpack
+from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensorHooks, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
@@ -282,19 +282,25 @@ class Runtime(SavedTensorHooks):
         child_index = None
         if producer is not None:
             child_index, producer.child_count = producer.child_count, producer.child_count + 1
-        self._register_inputs(args, kwargs, producer, unit, child_index)
+        self._register_inputs(args, kwargs, producer, unit, child_index, record)
         if fwd.region is None and fwd.plans[unit.index].mode == Mode.RECOMPUTE:  # the call is its own region
             fwd.region = self._open_region(fn, args, kwargs)
         if fwd.region is not None:
             fwd.region.add(record)
         fwd.frames.append(record)
 
-    def _register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index) -> None:
+    def _register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index,
+                         record: CallRecord | None = None) -> None:
         """A call's float inputs, as the j-th child inputs of their producing call; without a producer
         they were made outside every unit (kept as they are). The block's own code has no unit: its
-        tensors go by the unit they are handed to."""
+        tensors go by the unit they are handed to. Their shapes are the first rows `record`'s per-row
+        statistics can describe (saving.is_row_statistic)."""
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
+                if record is not None:
+                    if record.rows is None:
+                        record.rows = RowShapes()
+                    record.rows.note(t.shape)
                 if producer is None:
                     self._fwd.register(t, None, None, None)
                 else:
@@ -307,6 +313,8 @@ class Runtime(SavedTensorHooks):
             return
         record = fwd.frames[depth]
         del fwd.frames[depth:]  # frames above it belong to calls an exception cut short
+        if record.undecided:
+            self._decide(record, fwd)
         if record.unit.layer_index is None and not fwd.frames:
             fwd.tail = record.unit  # e.g. a final logit soft-cap the model applies after lm_head
         for path, t in tensor_leaves(output):

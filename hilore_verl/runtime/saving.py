@@ -63,17 +63,37 @@ class RowShapes:
         return tokens is not None and any(t <= shape[-1] < t + PAD for t in tokens)
 
 
-def is_row_statistic(shape: torch.Size, rows: RowShapes | None) -> bool:
-    """A per-row statistic, kept exact under compression: a tensor whose last dim is 1 (a norm's
-    reciprocal RMS or mean with keepdim, cuDNN attention's log-sum-exp), or one holding one value
-    per row of a tensor its call saved before (SDPA's and flash-attn's fp32 log-sum-exp (B, H, T),
-    padded (B, H, ceil32(T)), or (H, total) for a (total, H, D) query; a fused norm's (rows,) rstd).
-    A group of such values mixes unrelated rows: one outlier (a padding token's 1 / sqrt(eps)) would
-    spoil its whole group, and the softmax backward exponentiates the log-sum-exp's error. At most
-    1 / D of the tensor it describes, so the rule costs little memory where it errs."""
+def is_row_statistic(t: torch.Tensor, rows: RowShapes | None) -> bool:
+    """A per-row statistic, kept exact under compression, told by what produced it: a keepdim reduction
+    (last dim 1: a norm's reciprocal RMS or mean, cuDNN attention's log-sum-exp), or a non-differentiable
+    output of an op of the call (autograd marks it so: it does not require grad) that holds one value per
+    row of a float tensor the call took or saved (SDPA's, flash-attn's and FlexAttention's fp32
+    log-sum-exp (B, H, T), padded (B, H, ceil32(T)), or (H, total) for a (total, H, D) query; a fused
+    norm's (rows,) rstd). `rows` is the call's so far; `Runtime` decides an own save that is not yet
+    known for one again at the call's end (`Undecided`), so the order in which an op saves its tensors
+    does not matter. A group of such values mixes unrelated rows: one outlier (a padding token's
+    1 / sqrt(eps)) would spoil its whole group, and the softmax backward exponentiates the log-sum-exp's
+    error. At most 1 / D of the tensor it describes, so the rule costs little memory where it errs."""
+    shape = t.shape
     if len(shape) == 0:
         return False
-    return shape[-1] == 1 or (rows is not None and rows.has_row_of(shape))
+    return shape[-1] == 1 or (not t.requires_grad and rows is not None and rows.has_row_of(shape))
+
+
+class Undecided:
+    """An own save of a compressed unit's call that may yet prove to be a per-row statistic (it does not
+    require grad, and no tensor of its rows was seen yet: an op that saves its log-sum-exp before the
+    query it describes). Held exact until the call ends, when `Runtime` decides with every row of the
+    call known (`_decide`): kept exact and counted as a statistic, or compressed as the plan says. Never
+    decided (a call cut short by an error): the exact tensor."""
+
+    __slots__ = ("tensor", "watch", "held", "key")
+
+    def __init__(self, t: torch.Tensor, key):
+        self.tensor, self.watch, self.held, self.key = t.detach(), VersionWatch(t), None, key
+
+    def get(self) -> torch.Tensor:
+        return (self.held if self.held is not None else Kept(self.tensor)).get()
 
 
 def parameter_kind(t: torch.Tensor) -> str | None:
@@ -207,30 +227,48 @@ class SavedTensorHooks:
             count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
             return kept
         if plan.mode == Mode.COMPRESS:
-            self._settle_checks(wait=False)
-            held = fwd.compressed.get(key)
-            if held is None:
-                rows = fwd.frames[-1].rows if saved and fwd.frames else None
-                statistic = is_row_statistic(t.shape, rows)
-                payload = None if statistic else self._quantize(t, plan)
-                deferred = payload is not None and defers_checks(t.device)
-                if payload is None or (not deferred and payload.has_nonfinite):  # kept exact, and counted
-                    kept = Kept(t)
-                    count(unit, key, kept.tensor, stored=t.numel() * t.element_size(), statistic=statistic,
-                          nonfinite=payload is not None, incompressible=payload is None and not statistic)
-                    return kept
-                stored = (self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
-                          else Compressed(payload, t.shape))
-                held = Checked(self._unchecked(t, payload, stored) if deferred else stored, VersionWatch(t))
-                fwd.compressed.put(key, t, held)
-            held.saves += int(saved)
-            charge = count(unit, key, t, stored=held.nbytes)
-            if charge is not None and isinstance(held.held, Unchecked):
-                held.held.charge(fwd.stats, charge)
-            return held
+            rows = fwd.frames[-1].rows if saved and fwd.frames else None
+            statistic = is_row_statistic(t, rows)
+            if (not statistic and saved and locator is not None and locator[0] == "own" and not t.requires_grad
+                    and fwd.compressed.get(key) is None):
+                undecided = Undecided(t, key)  # decided at the call's end (`_decide`)
+                record.undecided = (record.undecided or []) + [undecided]
+                return undecided
+            return self._compress(t, unit, key, plan, statistic, count, saved, fwd)
         handle = record.drop(locator, geometry, VersionWatch(t))
         count(unit, key, t, stored=0)
         return handle
+
+    def _decide(self, record, fwd) -> None:
+        """At the end of `record`'s call: its undecided saves, with every row of the call known."""
+        for undecided in record.undecided:
+            t, plan = undecided.tensor, fwd.plans[record.unit.index]
+            undecided.held = self._compress(t, record.unit, undecided.key, plan, is_row_statistic(t, record.rows),
+                                            fwd.stats.add, True, fwd, undecided.watch)
+        record.undecided = None
+
+    def _compress(self, t, unit, key, plan, statistic: bool, count, saved: bool, fwd, watch=None):
+        """Hold `t` as a compressed unit's save: a statistic or a tensor the codec cannot take (non-finite,
+        or no group fits) exact and counted; else its payload (shared by every save of its storage)."""
+        self._settle_checks(wait=False)
+        held = fwd.compressed.get(key)
+        if held is None:
+            payload = None if statistic else self._quantize(t, plan)
+            deferred = payload is not None and defers_checks(t.device)
+            if payload is None or (not deferred and payload.has_nonfinite):  # kept exact, and counted
+                kept = Kept(t)
+                count(unit, key, kept.tensor, stored=t.numel() * t.element_size(), statistic=statistic,
+                      nonfinite=payload is not None, incompressible=payload is None and not statistic)
+                return kept
+            stored = (self._offload_pool(t.device).offload(payload, t.shape) if plan.offload
+                      else Compressed(payload, t.shape))
+            held = Checked(self._unchecked(t, payload, stored) if deferred else stored, watch or VersionWatch(t))
+            fwd.compressed.put(key, t, held)
+        held.saves += int(saved)
+        charge = count(unit, key, t, stored=held.nbytes)
+        if charge is not None and isinstance(held.held, Unchecked):
+            held.held.charge(fwd.stats, charge)
+        return held
 
     def _quantize(self, t: torch.Tensor, plan: UnitPlan):
         """Groups run along the last dim; a contiguous tensor whose last dim does not fit the group is
