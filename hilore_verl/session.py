@@ -75,7 +75,9 @@ class Collectives(Protocol):
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]: ...  # op: sum, max, min
     def gather(self, values: Sequence[float]) -> list[list[float]]: ...  # every rank's values, in rank order
     def sum_(self, t: torch.Tensor) -> None: ...  # in place (the audit's float64 sums)
-    def every_rank_failed(self) -> bool: ...  # called by a failing rank: did every rank fail here?
+    def agree_on_failure(self) -> str | None: ...  # by a failing rank: None (retry) or why not (then stopped)
+    def stopped_by_peer(self) -> str | None: ...  # why another rank stopped training, where one did
+    def watch(self) -> None: ...  # abort this rank's collectives once a rank stops (a monitor)
 
 
 class SingleProcess:
@@ -92,8 +94,14 @@ class SingleProcess:
     def sum_(self, t: torch.Tensor) -> None:
         pass
 
-    def every_rank_failed(self) -> bool:
-        return True
+    def agree_on_failure(self) -> str | None:
+        return None
+
+    def stopped_by_peer(self) -> str | None:
+        return None
+
+    def watch(self) -> None:
+        pass
 
 
 class Session:
@@ -116,6 +124,7 @@ class Session:
         self._clock: DeviceClock | None = None
         self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark, tokens), read at the next
         self._measured_now = False  # build_controller probed (rather than restored) at this call
+        self._stepped = None  # this mini-batch's optimizer step, done: its snapshot (False: none was taken)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict | None:
@@ -167,17 +176,38 @@ class Session:
         """One mini-batch: `step()` runs the framework's own forward, backward and optimizer step
         over `micro_batches` (this rank's, as the framework splits them), calling `before_forward`
         and `after_forward` around each training forward. Returns step()'s result and the
-        mini-batch's metrics. On any fault the session is as before the call."""
+        mini-batch's metrics. On any fault the session is as before the call, and so are the parameters
+        and optimizer state where the fault came after the optimizer step (from its snapshot). A fault
+        while another rank has stopped training (this rank's collectives aborted) raises StepFailed."""
         start_step = self.step
+        self._stepped = None
         try:
             return self._train(micro_batches, step, tokens)
-        except BaseException:
+        except BaseException as err:
             self.step = start_step  # the mini-batch did not happen
             self._timed = None
             if self.controller is not None:
                 self.controller.discard_unread()
             self._recover()
+            undone = self._undo_step()
+            peer = self.collectives.stopped_by_peer() if isinstance(err, Exception) else None
+            if peer is not None and not isinstance(err, StepFailed):
+                raise StepFailed(f"hilore-verl: training stopped at step {start_step + 1} by {peer}; this rank's "
+                                 f"step ended with {type(err).__name__} and {undone} (ranks may differ by a "
+                                 "step: resume from the last checkpoint)") from err
             raise
+        finally:
+            self._stepped = None
+
+    def _undo_step(self) -> str:
+        """Put back an optimizer step this mini-batch completed before a later fault (its snapshot)."""
+        if self._stepped is None:
+            return "its state is as before the step"
+        snapshot, self._stepped = self._stepped, None
+        if snapshot is False:
+            return ("its optimizer step was applied (hilore.step_snapshot=false: it cannot be undone)")
+        snapshot.restore()
+        return "its parameters and optimizer state are as before the step (undone from the snapshot)"
 
     def _train(self, micro_batches, step, tokens):
         first = self.controller is None
@@ -213,9 +243,10 @@ class Session:
             failed = True  # outside the except block: the failed passes' graph went with the traceback
         if failed:
             self._recover()
-            if not self.collectives.every_rank_failed():
-                raise StepFailed(f"hilore-verl: out of memory in {what} at step {self.step} on this rank only; "
-                                 "training stops here with this rank's state as before the step")
+            why = self.collectives.agree_on_failure()
+            if why is not None:
+                raise StepFailed(f"hilore-verl: out of memory in {what} at step {self.step}: {why}; training "
+                                 "stops here with this rank's state as before the step")
             logger.warning("hilore-verl: out of memory in %s at step %d; skipped", what, self.step)
 
     def _uncalibrated(self) -> bool:
@@ -304,10 +335,14 @@ class Session:
         own plan with kept units recomputed (bitwise the update the step would have made), later ones
         recompute every unit (the exact gradient). A fault in the optimizer step: the retry runs the
         plans of the attempt that failed, kept units recomputed, so its gradients (and grad norm) are
-        bitwise the failed attempt's. A fault on some ranks only, any other exception, or no retry left:
-        the step is put back and the error raised. After a retry, later plans are 10% tighter."""
+        bitwise the failed attempt's. Any other exception, or no retry left: the step is put back and the
+        error raised. Ranks agree before either (`Collectives.agree_on_failure`): a retry, or the error
+        raised, only where every rank failed at the same point; otherwise every rank stops with StepFailed
+        (the ranks that did not fail when their collectives are aborted), never a hang. After a retry,
+        later plans are 10% tighter."""
         self.retries = 0
         start = StepStart(self.runtime)
+        self.collectives.watch()
         try:
             while True:
                 self._micro_index = 0
@@ -318,9 +353,12 @@ class Session:
                     where = " in the optimizer step" if self._in_optimizer_step else ""
                     if self.retries >= self.config.oom_retries:
                         self._fail(start, f"out of memory{where} at step {self.step} after {self.retries} retries")
-                        raise
+                        self._raise_agreed(err)
                     message = (str(err).splitlines()[0] if str(err) else "out of memory") + where
-                except BaseException:
+                except Exception as err:
+                    self._fail(start, None)
+                    self._raise_agreed(err)
+                except BaseException:  # an interrupt: no agreement, the process ends
                     self._fail(start, None)
                     raise
                 # outside the except block: the failed attempt's graph went with its traceback
@@ -350,14 +388,25 @@ class Session:
         if message is not None:
             logger.error("hilore-verl: %s; parameters, optimizer state and RNG are as before the step", message)
 
+    def _raise_agreed(self, err: Exception):
+        """Raise `err` (the step is put back) where every rank failed at the same point, so that a caller may
+        go on with every rank's collectives paired. Where another rank stopped training (this rank's
+        collectives were aborted), or the ranks did not fail alike, StepFailed: every rank stops."""
+        why = self.collectives.agree_on_failure()
+        if why is not None:
+            raise StepFailed(f"hilore-verl: {type(err).__name__} at step {self.step}: {why}; training stops here "
+                             f"with this rank's state as before the step ({err})") from err
+        raise err
+
     def _agree_or_raise(self, start: StepStart, what: str) -> None:
-        """Retry only when every rank failed here; a rank that failed alone stops the job."""
-        if not self.collectives.every_rank_failed():
+        """Retry only when every rank failed and their collectives are paired (Collectives.agree_on_failure);
+        otherwise every rank stops: this one here, the others when their collectives are aborted."""
+        why = self.collectives.agree_on_failure()
+        if why is not None:
             start.restore()
-            raise StepFailed(f"hilore-verl: {what} at step {self.step} on this rank only (the other ranks did "
-                             f"not fail within hilore.fault_timeout_s={self.config.fault_timeout_s} s); a retry "
-                             "would pair its collectives with theirs, so training stops here with this rank's "
-                             "state as before the step")
+            raise StepFailed(f"hilore-verl: {what} at step {self.step}, not retried: {why}; a retry would pair "
+                             "its collectives with the other ranks' unrelated ones, so training stops here with "
+                             "this rank's state as before the step")
 
     def _recover(self) -> None:
         """Forget a failed forward / backward: runtime ready, the framework's pass state reset."""
@@ -398,7 +447,9 @@ class Session:
         mini-batch again, whose gradients are bitwise the failed attempt's; the gradients themselves are
         never copied. Without a snapshot the fault cannot be undone: StepFailed."""
         try:
-            return step()
+            out = step()
+            self._stepped = snapshot if snapshot is not None else False  # undone if the mini-batch fails later
+            return out
         except torch.OutOfMemoryError:
             if snapshot is None:
                 raise StepFailed("hilore-verl: out of memory inside the optimizer step, which may have updated "

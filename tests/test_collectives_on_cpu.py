@@ -66,7 +66,7 @@ def _reductions(rank, world_size):
     strided = torch.arange(8, dtype=torch.float64).reshape(4, 2)[:, 0] * (rank + 1)  # not contiguous: a copy
     dp.sum_(strided)
     out["sum_strided"] = strided.tolist()
-    out["every_rank_failed"] = dp.every_rank_failed()
+    out["agreed"] = dp.agree_on_failure()  # every rank "failed" here, collectives paired
 
     # the `auto` budget on the host: MemAvailable shared by this host's 2 ranks, + resident memory
     device_memory._host_available_bytes = lambda: (rank + 1) * 8e9
@@ -81,7 +81,7 @@ def _reductions(rank, world_size):
     own, _ = dist.new_subgroups(group_size=1)
     _refuse_cpu_tensors_on([world, None, own])
     single = DataParallel(own, fault_timeout_s=30)
-    out["own_group"] = single.reduce([rank + 1.0], "sum"), single.world_size, single.every_rank_failed()
+    out["own_group"] = single.reduce([rank + 1.0], "sum"), single.world_size, single.agree_on_failure()
     return out
 
 
@@ -93,10 +93,10 @@ def test_every_reduction_runs_beside_a_group_without_a_cpu_backend():
         assert out["sum"] == [3.0, 10.0] and out["max"] == [2.0] and out["min"] == [1.0] and out["empty"] == []
         assert out["sum_"] == [3.0, 6.0, 9.0, 12.0]
         assert out["sum_strided"] == [0.0, 6.0, 12.0, 18.0]
-        assert out["every_rank_failed"]
+        assert out["agreed"] is None
         assert out["host_budget"] == pytest.approx(8e9 / 2 + 1e9)  # the minimum: rank 0's
         assert out["cuda_budget"] == out["offloaded_budget"] == 11 * GIB  # rank 0's 10 GiB free + 1 GiB cached
-        assert out["own_group"] == ([rank + 1.0], 1, True)
+        assert out["own_group"] == ([rank + 1.0], 1, None)
 
 
 def test_compute_device_is_verls_device_not_a_parameters(monkeypatch):
@@ -116,3 +116,13 @@ def test_compute_device_is_verls_device_not_a_parameters(monkeypatch):
     # the engine's call today hands in its first parameter's device: the host under FSDP2 parameter offload
     assert available_bytes(torch.device("cpu")) == available_bytes() == 7 * GIB
     assert available_bytes(torch.device("cuda", 3)) == 7 * GIB
+
+
+def test_a_retry_needs_every_group_paired():
+    """`unpaired`: ranks that share a group must have issued as many collectives on it (a group only some
+    ranks are in is compared among those)."""
+    from hilore_verl.integration.actor.collectives import unpaired
+
+    assert unpaired([(0, {"0": 12, "1": 3}), (1, {"0": 12, "2": 5})]) is None
+    why = unpaired([(0, {"0": 12, "1": 3}), (1, {"0": 11, "1": 3})])
+    assert why is not None and "group 0" in why and "rank 0 issued 12" in why and "rank 1 11" in why

@@ -12,11 +12,16 @@ fails.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("hilore_verl")
+STOP_KEY = "hilore/stop"  # set in the job's store by a rank that stops training; its value says why
+WATCH_EVERY_S = 0.5  # how often each rank's monitor reads the store for STOP_KEY
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _HOST_GROUPS: dict = {}  # (group, default group) -> its gloo twin; the default group keys a re-initialised world
 
@@ -62,8 +67,8 @@ def all_reduce_on_host(t: torch.Tensor, op: str = "sum", group=None) -> None:
 
 class DataParallel:
     """All-reduces over the ranks of `group` (float64, so sums of byte counts and log-sensitivities stay
-    exact enough) on its gloo twin, and a separate gloo group on which failing ranks agree before a
-    retry."""
+    exact enough) on its gloo twin, a separate gloo group on which failing ranks agree before a retry,
+    and the stop of a step that cannot be retried (the job's store, a monitor per rank)."""
 
     def __init__(self, group, fault_timeout_s: float):
         self.group = group
@@ -73,6 +78,12 @@ class DataParallel:
         # Not the host group: a failing rank's flag must never pair with a peer's reduction.
         self.fault_group = _gloo_group_over(dist.group.WORLD if group is None else group,
                                             timeout=datetime.timedelta(seconds=fault_timeout_s))
+        self.fault_timeout_s = fault_timeout_s
+        self.rank = dist.get_rank()
+        self.store = _store()  # the job's store, kept: an abort takes the default group and its handle along
+        self.stop_reason: str | None = None  # why training stopped (this rank's, or a peer's), once known
+        self._monitor: threading.Thread | None = None
+        self._stopped = threading.Event()  # never set: the monitor's sleep
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -91,17 +102,115 @@ class DataParallel:
     def sum_(self, t: torch.Tensor) -> None:
         all_reduce_on_host(t, "sum", self.group)
 
-    def every_rank_failed(self) -> bool:
-        """Called by a rank that failed: True when every rank failed at the same point (each is here too).
-        A rank that failed alone finds its peers inside the step's collectives, not here; after the
-        fault group's timeout it gets False. A retry must not start then: its collectives would pair
-        with the peers' unrelated ones (same shapes, other layers) and could corrupt the update silently."""
-        flag = torch.ones(1, dtype=torch.float64)
+    def agree_on_failure(self) -> str | None:
+        """Called by a rank that failed, once its own state is reset: None when every rank failed and the
+        ranks issued the same number of collectives on every group they share (each rank is here, and no
+        collective of the failed attempt is left unpaired): the retry may start. Else why not; the stop
+        is then published and this process's groups aborted, so that a peer blocked in a collective
+        gets an error at once instead of hanging, and raises StepFailed too (`stopped_by_peer`).
+
+        A rank that failed alone finds its peers inside the step's collectives, not here: after the
+        fault group's timeout it stops. A retry must not start then, nor where counts differ: its
+        collectives would pair with the peers' unrelated ones (same shapes, other layers) and could
+        corrupt the update silently."""
+        if self.stopped_by_peer() is not None:
+            return self.stopped_by_peer()
+        rank = self.rank
+        rows: list = [None] * dist.get_world_size(self.fault_group)
         try:
-            dist.all_reduce(flag, group=self.fault_group)
+            dist.all_gather_object(rows, (rank, issued_collectives(exclude=self.fault_group)), group=self.fault_group)
         except RuntimeError:  # timed out: a peer is not failing
-            return False
-        return int(flag.item()) == dist.get_world_size(self.fault_group)
+            reason = (f"rank {rank} failed and its peers did not reach the agreement within "
+                      f"hilore.fault_timeout_s={self.fault_timeout_s:g} s")
+        else:
+            reason = unpaired(rows)
+        if reason is not None:
+            self.stop(reason)
+        return reason
+
+    def stop(self, reason: str) -> None:
+        """Tell every rank that training stops (the job's store), and abort this process's groups."""
+        self.stop_reason = self.stop_reason or f"rank {self.rank}: {reason}"
+        try:
+            if self.store is not None:
+                self.store.set(STOP_KEY, self.stop_reason)
+        except RuntimeError:  # the store is gone with its host rank: its peers' collectives fail anyway
+            pass
+        _abort()
+
+    def stopped_by_peer(self) -> str | None:
+        """Why a rank stopped training, where one did (its STOP_KEY); None otherwise."""
+        if self.stop_reason is not None:
+            return self.stop_reason
+        try:
+            if self.store is None or not self.store.check([STOP_KEY]):
+                return None
+            self.stop_reason = self.store.get(STOP_KEY).decode()
+        except RuntimeError:  # the job's store is gone: the rank that hosts it has ended
+            self.stop_reason = "the rank hosting the job's store, which ended"
+        return self.stop_reason
+
+    def watch(self) -> None:
+        """Start this rank's monitor (once): a daemon thread that reads STOP_KEY every WATCH_EVERY_S and,
+        when a rank has stopped, aborts this process's groups, so that a collective waiting for that
+        rank raises here instead of hanging (NCCL's kernels wait on the device until their
+        communicator is aborted; gloo's also end when the peer's sockets close)."""
+        if self._monitor is None and self.store is not None:
+            self._monitor = threading.Thread(target=self._watch, name="hilore-stop-monitor", daemon=True)
+            self._monitor.start()
+
+    def _watch(self) -> None:
+        try:
+            while not self.store.check([STOP_KEY]):
+                self._stopped.wait(WATCH_EVERY_S)
+            self.stop_reason = self.stop_reason or self.store.get(STOP_KEY).decode()
+        except Exception:  # the store is gone: the job is ending
+            return
+        logger.error("hilore-verl: training stopped by %s; aborting this rank's process groups", self.stop_reason)
+        _abort()
+
+
+def issued_collectives(exclude=None) -> dict[str, int]:
+    """Per process group this rank belongs to (by its name, the same on every rank): the collectives
+    issued on it so far (torch's sequence number)."""
+    world = dist.distributed_c10d._world
+    counts = {}
+    for group, name in world.pg_names.items():
+        if group is exclude or group is None:
+            continue
+        try:
+            counts[name] = int(group._get_sequence_number_for_group())
+        except (RuntimeError, AttributeError):  # a backend without sequence numbers: not compared
+            continue
+    return counts
+
+
+def unpaired(rows: list) -> str | None:
+    """Every rank's (rank, issued_collectives()): None when ranks that share a group issued as many
+    collectives on it, else the first group where they did not."""
+    seen: dict[str, tuple[int, int]] = {}
+    for rank, counts in rows:
+        for name, count in counts.items():
+            first = seen.setdefault(name, (rank, count))
+            if first[1] != count:
+                return (f"the ranks failed at different points (group {name}: rank {first[0]} issued {first[1]} "
+                        f"collectives, rank {rank} {count})")
+    return None
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _abort() -> None:
+    """Abort every process group of this process: collectives waiting in them raise."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as err:  # already aborted or destroyed
+        logger.warning("hilore-verl: aborting the process groups: %s", err)
 
 
 def collectives_for(group, fault_timeout_s: float):

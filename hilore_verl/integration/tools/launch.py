@@ -44,9 +44,11 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, out_dir: str
                 f.write(traceback.format_exc())
             raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
+        if dist.is_initialized():  # not where training stopped and aborted the groups (every rank did)
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _kill_ranks(processes, join_s: float = 30) -> None:
