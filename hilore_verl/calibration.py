@@ -71,7 +71,7 @@ def probe(passes, micro_batch, bound: int, priority=None):
     return micro_batch if len(index) == len(lengths) else passes.select(micro_batch, index)
 
 
-def surrogate(runtime: Runtime, passes, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor:
+def surrogate(runtime: Runtime, passes, plan: dict[str, UnitPlan], batch, c: torch.Tensor):
     """This rank's gradient of sum_t c_t log p_t under `plan`; units it does not name are
     recomputed (exact, and the least memory)."""
     full = {u.name: RECOMPUTE for u in runtime.units}

@@ -2,9 +2,12 @@
 
 The memory model predicts `static + what the update holds` (planner/controller.py). What is measured:
 
-    CUDA   torch.cuda.max_memory_allocated after reset_peak_memory_stats at the mini-batch's start:
-           every tensor the process holds on the device, static state included, so the figure is
-           compared as it is;
+    CUDA   torch.cuda.max_memory_reserved after reset_peak_memory_stats at the mini-batch's start: the
+           caching allocator's segments, what the process holds on the device (static state included,
+           so the figure is compared as it is). Not the allocated peak: a budget is device memory,
+           and fragmentation (segments the allocator holds but cannot fit a request into) is what
+           makes a job run out of memory at "enough" allocated bytes. Segments are rounded (to 2 MiB,
+           20 MiB for requests of 1-10 MiB): an overshoot within `DEVICE_NOISE_BYTES` is not acted on;
     CPU    (Linux) the resident high-water mark, reset at the start (/proc/self/clear_refs <- 5), less
            the resident size then, plus the static bytes: what the mini-batch added on top of the
            state it started with. malloc may serve the update from memory it kept from an earlier
@@ -12,7 +15,7 @@ The memory model predicts `static + what the update holds` (planner/controller.p
 
 The resident size also moves with what the update does not own (malloc's arenas, Python objects,
 pages touched once): on the CPU an overshoot within `HOST_NOISE_BYTES` is not taken as the memory
-model's error (`PeakMeter.noise_bytes`; 0 on CUDA, whose figure counts tensors only).
+model's error (`PeakMeter.noise_bytes`; `DEVICE_NOISE_BYTES` on CUDA).
 
 Where neither is available (another OS, /proc not writable) `PeakMeter.available` is False with the
 reason, and the session plans without the feedback (and says so once).
@@ -26,6 +29,7 @@ from hilore_verl import host_memory
 
 CLEAR_REFS = "/proc/self/clear_refs"
 HOST_NOISE_BYTES = 8 * 2**20
+DEVICE_NOISE_BYTES = 20 * 2**20  # the caching allocator's largest segment rounding
 
 
 class PeakMeter:
@@ -34,7 +38,7 @@ class PeakMeter:
     def __init__(self, cuda: bool | None = None):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized() if cuda is None else cuda
         self.why_not: str | None = None
-        self.noise_bytes = 0.0 if self.cuda else float(HOST_NOISE_BYTES)
+        self.noise_bytes = float(DEVICE_NOISE_BYTES if self.cuda else HOST_NOISE_BYTES)
         self._start: float | None = None
         if not self.cuda:
             try:
@@ -61,7 +65,7 @@ class PeakMeter:
         if not self.available:
             return None
         if self.cuda:
-            return float(torch.cuda.max_memory_allocated())
+            return float(torch.cuda.max_memory_reserved())
         if self._start is None:
             return None
         added = host_memory.peak_resident_bytes() - self._start

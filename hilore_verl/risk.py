@@ -111,7 +111,41 @@ class RiskModel:
         self._log_sum, self._count = dict(state["log_sum"]), dict(state["count"])
 
 
-GradFn = Callable[[PlanLike], torch.Tensor]
+Gradient = Union[torch.Tensor, Sequence[Union[torch.Tensor, None]]]
+"""A flat gradient, or this rank's gradient as one tensor per parameter (None: no gradient), as the
+passes leave them: the audit and calibration read them in place, never as one concatenated copy."""
+GradFn = Callable[[PlanLike], Gradient]
+SUM_CHUNK = 2**20  # elements per float64 partial sum: three such chunks are the sums' whole extra memory
+
+
+def gradient_sums(exact: Gradient, approx: Gradient) -> torch.Tensor:
+    """[|a - e|^2, |e|^2, |a|^2, e.a] in float64 over two gradients of one layout, summed chunk by chunk
+    (SUM_CHUNK elements): the extra memory is a few float64 chunks (24 MiB), not a float64 copy of the
+    gradient, at the moment device memory is tightest."""
+    exact = [exact] if isinstance(exact, torch.Tensor) else list(exact)
+    approx = [approx] if isinstance(approx, torch.Tensor) else list(approx)
+    if len(exact) != len(approx):
+        raise ValueError(f"gradients of different layouts: {len(exact)} and {len(approx)} tensors")
+    device = next((t.device for t in exact + approx if t is not None), torch.device("cpu"))
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    for e, a in zip(exact, approx):
+        if e is None and a is None:
+            continue
+        e = torch.zeros_like(a) if e is None else e  # a parameter one pass left without a gradient
+        a = torch.zeros_like(e) if a is None else a
+        e, a = e.detach().reshape(-1), a.detach().reshape(-1)
+        if e.numel() != a.numel():
+            raise ValueError(f"gradients of different layouts: {e.numel()} and {a.numel()} elements")
+        for start in range(0, e.numel(), SUM_CHUNK):
+            sums += _chunk_sums(e[start:start + SUM_CHUNK], a[start:start + SUM_CHUNK])
+    return sums
+
+
+def _chunk_sums(e: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """`gradient_sums` of one chunk (its float64 copies freed on return, before the next chunk's)."""
+    e, a = e.double(), a.double()
+    d = a - e
+    return torch.stack([d.dot(d), e.dot(e), a.dot(a), e.dot(a)])
 
 
 def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,
@@ -127,13 +161,15 @@ def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: S
     model = model or RiskModel()
     base = dict(base or {})
     exact = grad_fn(base)
-    scale = float(exact.norm()) / exposure_l2 if exposure_l2 > 0 else None
+    exact_norm = math.sqrt(gradient_sums(exact, exact)[1].item())
+    scale = exact_norm / exposure_l2 if exposure_l2 > 0 else None
     if scale:
         model.grad_scale = scale if model.grad_scale is None else math.sqrt(model.grad_scale * scale)
     for unit in units:
         for fmt in fmts:
             approx = grad_fn({**base, unit: UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=group_size)})
-            model.add_measurement(unit, fmt, group_size, exposure_l2, float((approx - exact).norm()))
+            deviation = math.sqrt(gradient_sums(exact, approx)[0].item())
+            model.add_measurement(unit, fmt, group_size, exposure_l2, deviation)
     return model
 
 
@@ -200,17 +236,14 @@ class GradientAudit:
 
     def run(self, step: int, exact: torch.Tensor, approx: torch.Tensor, plans: PlanLike, exposure_l2: float,
             risk_budget: float, reduce: Callable[[torch.Tensor], None] | None = None) -> AuditResult | None:
-        """`exact`, `approx`: flat gradients (or this rank's shards of them, with `reduce` summing
-        a float64 vector in place over the ranks that hold the other shards); `risk_budget`: the budget
+        """`exact`, `approx`: gradients (`Gradient`: flat, or this rank's shards one tensor per parameter,
+        with `reduce` summing a float64 vector in place over the ranks that hold the other shards); `risk_budget`: the budget
         the plan was made under. The result carries the budget for the plans after it.
 
         Returns None, and changes nothing (no history, no sensitivity moved), when the
         exact gradient is zero or not finite: there is no cosine or relative error to measure then
         (a micro-batch without exposure), and a zero deviation from it says nothing about the plan."""
-        exact, approx = exact.double(), approx.double()
-        # sums over the gradient: |a - e|^2, |e|^2, |a|^2, e.a
-        sums = torch.stack([(approx - exact).pow(2).sum(), exact.pow(2).sum(), approx.pow(2).sum(),
-                            torch.dot(exact, approx)])
+        sums = gradient_sums(exact, approx)  # |a - e|^2, |e|^2, |a|^2, e.a
         if reduce is not None:
             reduce(sums)
         diff2, exact2, approx2, dot = sums.tolist()

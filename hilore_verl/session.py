@@ -40,7 +40,7 @@ from hilore_verl.exposure import read_floats
 from hilore_verl.peak_memory import PeakMeter
 from hilore_verl.planner import Controller
 from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
-from hilore_verl.risk import GradientAudit
+from hilore_verl.risk import Gradient, GradientAudit
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 from hilore_verl.timing import DeviceClock
 
@@ -57,7 +57,7 @@ class Passes(Protocol):
     def layer_tokens(self, batch) -> int: ...  # tokens the layers compute: sum(lengths), fewer with shared prompts
     def select(self, batch, index: list[int]): ...  # the sequences `index` of a micro-batch
     def train_pass(self, batch) -> None: ...  # forward + backward of the training loss, current plan
-    def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> torch.Tensor: ...
+    def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> "Gradient": ...  # risk.py
     def coefficients(self, batch) -> torch.Tensor: ...  # predicted (on-policy) c of a micro-batch
     def exposure_l2(self, batch, log_prob=None) -> float | torch.Tensor: ...  # |c| (+ entropy bound), or 0-d
     def zero_grad(self) -> None: ...

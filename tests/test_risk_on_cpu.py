@@ -155,3 +155,35 @@ def test_risk_follows_the_plans_codec_settings():
     g32 = risk.predict({"head": UnitPlan(Mode.COMPRESS, fmt="int8", group_size=32)}, 1.0)
     assert sr > rtn > g32 > 0
     assert risk.predict({"head": "int8+offload"}, 1.0) == risk.predict({"head": "int8"}, 1.0) == rtn
+
+
+def test_the_audits_sums_read_gradients_in_place_in_bounded_memory():
+    """The audit's and calibration's sums over two gradients of 2 x 128 MiB (fp32, as verl's sharded
+    gradients) add at most three float64 chunks (3 x SUM_CHUNK x 8 bytes = 24 MiB) to the resident peak of
+    a fresh process, not float64 copies of the gradients (1 GiB here, what they were), and equal the
+    float64 sums of the whole."""
+    import subprocess
+    import sys
+
+    from hilore_verl.risk import SUM_CHUNK
+
+    script = (
+        "import torch\n"
+        "from hilore_verl.peak_memory import PeakMeter\n"
+        "from hilore_verl.risk import gradient_sums\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "exact = [torch.randn(24 * 2**20, generator=g), torch.randn(8 * 2**20 + 5, generator=g), None]\n"
+        "approx = [e + 1e-3 * torch.randn(e.shape, generator=g) for e in exact[:2]] + [None]\n"
+        "meter = PeakMeter(cuda=False)\n"
+        "assert meter.available, meter.why_not\n"
+        "meter.start()\n"
+        "sums = gradient_sums(exact, approx)\n"
+        "added = meter.read(static_bytes=0.0)\n"
+        "e, a = torch.cat(exact[:2]).double(), torch.cat(approx[:2]).double()\n"
+        "ref = torch.stack([(a - e).pow(2).sum(), e.pow(2).sum(), a.pow(2).sum(), e.dot(a)])\n"
+        "print(added, bool(torch.allclose(sums, ref, rtol=1e-12)))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    added, equal = out.stdout.split()
+    bound = 3 * SUM_CHUNK * 8 + 8 * 2**20  # the chunks, and the resident size's own noise (HOST_NOISE_BYTES)
+    assert float(added) <= bound, f"{float(added) / 2**20:.1f} MiB over the sums' bound {bound / 2**20:.1f} MiB"
+    assert equal == "True"

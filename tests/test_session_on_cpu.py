@@ -60,7 +60,7 @@ class PlainPasses:
         self.runtime.set_plan(plan)
         self.model.zero_grad(set_to_none=True)
         (response_log_probs(self.model, batch) * c).sum().backward()
-        return torch.cat([p.grad.flatten() for p in self.model.parameters()])
+        return [p.grad for p in self.model.parameters()]
 
     def coefficients(self, batch):
         return batch["c"]
@@ -422,3 +422,18 @@ def test_ranks_calibrate_alike_when_only_one_has_exposure():
     assert cal0 == cal1 == [0.0, 1.0, 1.0]
     assert sens0 == sens1 and scale0 == scale1 and scale0 > 0  # rank 1's figures on both ranks
     assert plans0 == plans1
+
+
+def test_the_device_peak_meter_reads_the_allocators_reserved_peak(monkeypatch):
+    """On CUDA the measured peak is the caching allocator's reserved high-water mark (what a budget of device
+    memory is), not the allocated one: fragmentation is part of what runs a job out of memory."""
+    from hilore_verl import peak_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * 2**30)
+    meter = peak_memory.PeakMeter(cuda=True)
+    meter.start()
+    assert calls == ["reset"] and meter.read(static_bytes=1.0) == 7 * 2**30
+    assert meter.noise_bytes == peak_memory.DEVICE_NOISE_BYTES

@@ -77,12 +77,12 @@ class BenchPasses:
         out[seq, pos] = batch["coef"]
         return out
 
-    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> torch.Tensor:
+    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> list:
         flat = c[batch["target_seq"], _positions_in_sequence(batch["target_seq"])].to(batch["coef"].dtype)
         self.runtime.set_plan(plan)
         self.optimizer.zero_grad(set_to_none=True)
         self.loss(batch, flat).backward()
-        return torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None])
+        return [p.grad for p in self.model.parameters()]  # the live gradients (risk.Gradient), not copied
 
     def exposure_l2(self, batch, log_prob=None) -> float:
         return float(batch["coef"].double().pow(2).sum().sqrt())

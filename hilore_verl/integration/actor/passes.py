@@ -79,16 +79,17 @@ class VerlPasses:
     def train_pass(self, batch) -> None:
         self._run(batch, self.loss_function)
 
-    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> torch.Tensor:
-        """This rank's gradient shard of sum_t c_t log p_t under `plan`."""
+    def surrogate_gradient(self, plan, batch, c: torch.Tensor) -> list:
+        """This rank's gradient shard of sum_t c_t log p_t under `plan`: the live gradients, one tensor per
+        parameter (not copied; the next pass's zero_grad drops them from the module, not from the caller)."""
         def surrogate(model_output, data, dp_group=None):
             log_prob = no_padding_2_padding(model_output["log_probs"], data)
             return (log_prob * c.to(log_prob.dtype)).sum(), {}
 
         self.engine.runtime.set_plan(plan)
         self._run(batch, surrogate)
-        return torch.cat([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten()
-                          for p in self.engine.module.parameters()])
+        return [None if p.grad is None else p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                for p in self.engine.module.parameters()]
 
     def coefficients(self, batch) -> torch.Tensor:
         return self.engine._coefficients(batch)
