@@ -126,3 +126,22 @@ def test_a_retry_needs_every_group_paired():
     assert unpaired([(0, {"0": 12, "1": 3}), (1, {"0": 12, "2": 5})]) is None
     why = unpaired([(0, {"0": 12, "1": 3}), (1, {"0": 11, "1": 3})])
     assert why is not None and "group 0" in why and "rank 0 issued 12" in why and "rank 1 11" in why
+
+
+def test_compile_workers_are_the_ranks_share_of_the_cpus(monkeypatch):
+    import os
+
+    import torch._inductor.config as inductor
+
+    from hilore_verl.integration.actor.compile_workers import ENV, limit_compile_workers
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(inductor, "compile_threads", 32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert limit_compile_workers() == 8 and inductor.compile_threads == 8  # 64 CPUs / 8 ranks
+    monkeypatch.setattr(inductor, "compile_threads", 32)
+    assert limit_compile_workers(ranks=128) == 1  # at least one
+    monkeypatch.setattr(inductor, "compile_threads", 32)
+    monkeypatch.setenv(ENV, "4")  # the user's setting stands
+    assert limit_compile_workers() is None and inductor.compile_threads == 32

@@ -2,7 +2,8 @@
 
 Registered in verl's EngineRegistry under the backend `BACKEND` (see config.py for how a
 recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
-  - `initialize`: after verl builds and shards the model, attach the runtime (which takes over HF
+  - `initialize`: Inductor's compile workers limited to the rank's share of the node's CPUs
+    (compile_workers.py); after verl builds and shards the model, attach the runtime (which takes over HF
     gradient checkpointing on the managed layers, and says so);
   - `train_batch`: split the mini-batch as verl does and hand it to the session (session.py: probing
     and calibration on the first call, the plan per micro-batch, the audit, out-of-memory retries),
@@ -33,6 +34,7 @@ import hilore_verl
 from hilore_verl import exposure, skip
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor.collectives import collectives_for
+from hilore_verl.integration.actor.compile_workers import limit_compile_workers
 from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.actor.device_memory import compute_device
 from hilore_verl.integration.actor.passes import VerlPasses, padded, sequence_lengths_tensor
@@ -99,6 +101,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         return self.session.controller if self.session is not None else None
 
     def initialize(self):
+        limit_compile_workers()  # before anything compiles: one node's ranks share its CPUs
         super().initialize()
         self.runtime = hilore_verl.attach(self.module, self.hilore.runtime_config())
         self.session = Session(self.hilore, self.runtime, VerlPasses(self),
