@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
 
 import torch
 import torch.nn as nn
+
+from hilore_verl import staged_copy
+from hilore_verl.staged_copy import StagedCopy
 
 logger = logging.getLogger("hilore_verl")
 
 
 class StepFailed(RuntimeError):
     """A fault inside the optimizer step that could not be undone (no snapshot was taken)."""
-
-
-def _device_module(device: torch.device):
-    """The accelerator module (torch.cuda, torch.npu, ...) whose streams copy a tensor on `device`;
-    None for the host, where copies are made inline."""
-    return None if device.type == "cpu" else torch.get_device_module(device.type)
 
 
 def _fsdp_states(module: nn.Module):
@@ -83,49 +79,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class StepSnapshot:
     """Host copies of what an optimizer step changes besides the gradients: the shards of the
-    optimizer's parameters and its state (moments, step counters), in host buffers kept from one step
-    to the next (pinned for an accelerator).
+    optimizer's parameters and its state (moments, step counters), in pageable host buffers of exactly
+    their size, kept from one step to the next.
 
-    `take()` is called when the mini-batch starts, before its first forward: on an accelerator the
-    copies are queued on a side stream behind the work already queued (the last optimizer step),
-    and run while the mini-batch's forward and backward passes do; an event marks their end.
-    `before_step()` makes the current stream wait for that event on the device, so the step cannot
-    change a tensor before it is copied; the host never waits. `restore()` (a fault inside the
-    step) waits for the copies on the host, writes them back into the same tensors, and removes state
-    the step created (Adam's first step). On the host every copy is made inline in `take()`.
+    `take()` is called when the mini-batch starts, before its first forward. Tensors on an accelerator
+    are copied by `StagedCopy` (staged_copy.py): through a ring of two 128 MiB pinned slots, on a side
+    stream behind the work already queued (the last optimizer step), by a worker thread, while the
+    mini-batch's forward and backward passes run; pinned memory stays 256 MiB whatever the model's size.
+    `before_step()` waits until every device copy is queued and makes the current stream wait for them
+    on the device, so the step cannot change a tensor before it is copied. `restore()` (a fault inside
+    the step) waits until every copy has landed, writes them back into the same tensors, and removes
+    state the step created (Adam's first step). Host tensors are copied inline in `take()` (`staged=True`:
+    through the same pipeline, as on an accelerator).
 
     Gradients are not copied: the step scales them in place, and a retry runs the mini-batch again,
     which gives them again bitwise (session.py)."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, staged: bool | None = None,
+                 staging: StagedCopy | None = None):
         self.module = module
         self.optimizer = optimizer
+        self.staged = staged
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._streams: dict[torch.device, Any] = {}  # a side stream per accelerator device, kept
-        self._queued: dict[torch.device, Any] = {}  # devices with copies queued by this take(): their module
-        self._events: list = []  # (device module, device, event) marking the end of those copies
+        self._copy = staging or StagedCopy()
+        self._pending = False  # a staged copy was started by the last take()
         self.params: list = []
         self.state: dict = {}
 
-    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+    def _hold(self, key: tuple, t: torch.Tensor, pairs: list) -> torch.Tensor:
+        """The host buffer `t` is copied into (inline for a host tensor, else staged through `pairs`)."""
         src = _local(t).detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.device.type != "cpu")
-        dm = _device_module(src.device)
-        if dm is None:
+            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype)
+        if staged_copy.device_module(src.device) is None and not self.staged:
             buf.copy_(src)
-            return buf
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = dm.Stream(src.device)
-        if src.device not in self._queued:  # behind the work already queued, which wrote the tensors
-            stream.wait_stream(dm.current_stream(src.device))
-            self._queued[src.device] = dm
-        with dm.stream(stream):
-            buf.copy_(src, non_blocking=True)
-        if src.device.type != "cpu":
-            src.record_stream(stream)  # the allocator does not reuse its memory before the copy has run
+        else:
+            pairs.append((src.contiguous(), buf))
         return buf
 
     def _parameters(self) -> list:
@@ -140,35 +130,44 @@ class StepSnapshot:
 
     @torch.no_grad()
     def take(self) -> "StepSnapshot":
-        """Queue the copies (when the mini-batch starts, before its first forward); returns self."""
-        self._queued = {}
+        """Start the copies (when the mini-batch starts, before its first forward); returns self."""
+        pairs: list = []
         params = self._parameters()
-        self.params = [(p, self._copy(("p", i), p)) for i, p in enumerate(params)]
+        self.params = [(p, self._hold(("p", i), p, pairs)) for i, p in enumerate(params)]
         index = {p: i for i, p in enumerate(params)}
-        self.state = {p: {k: self._copy(("s", index.get(p, id(p)), k), v) if isinstance(v, torch.Tensor)
+        self.state = {p: {k: self._hold(("s", index.get(p, id(p)), k), v, pairs) if isinstance(v, torch.Tensor)
                           else copy.deepcopy(v) for k, v in s.items()}
                       for p, s in self.optimizer.state.items()}
-        self._events = []
-        for device, dm in self._queued.items():
-            event = dm.Event()
-            event.record(self._streams[device])
-            self._events.append((dm, device, event))
+        self._pending = bool(pairs)
+        if pairs:
+            self._copy.start(pairs)
         return self
 
     def before_step(self) -> None:
-        """Right before the optimizer step: the current stream waits for the copies, on the device."""
-        for dm, device, event in self._events:
-            dm.current_stream(device).wait_event(event)
+        """Right before the optimizer step: every copy queued (host), the current stream waits for them."""
+        if self._pending:
+            self._copy.wait_device()
 
     @property
     def nbytes(self) -> int:
+        """Pageable host bytes of the copies: 12 per parameter with fp32 Adam (parameter, two moments)."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes: the staging ring's, on an accelerator (0 before the first staged copy)."""
+        return self._copy.pinned_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging ring's bytes, pinned or not: SLOTS x SLOT_BYTES once a copy was staged."""
+        return self._copy.ring_bytes
 
     @torch.no_grad()
     def restore(self) -> None:
         """After a fault inside the step: parameters and optimizer state as `take()` found them."""
-        for _, _, event in self._events:
-            event.synchronize()  # the copies have landed in the host buffers
+        if self._pending:
+            self._copy.finish()  # every copy has landed in the host buffers
         for p, saved in self.params:
             _local(p).copy_(saved)
         state = self.optimizer.state

@@ -282,11 +282,14 @@ def test_faults_in_profiling_and_audit_and_an_auto_budget(tmp_path):
     assert r["budget_gib"] > r["gc_peak_gib"] > 0  # host memory available here dwarfs a tiny model's peak
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["inline", "staged"])
 @pytest.mark.parametrize("steps_before", [0, 2])
-def test_step_snapshot_restores_parameters_and_adam_state(steps_before):
+def test_step_snapshot_restores_parameters_and_adam_state(steps_before, staged):
     """Plain module, no ranks: whatever a step changed in parameters and optimizer state (first-step
-    state included) is put back bitwise; gradients are not copied (a retry computes them again)."""
+    state included) is put back bitwise; gradients are not copied (a retry computes them again). Staged:
+    the accelerator's path (a worker thread, a ring of two 40-byte slots that every tensor cycles through)."""
     from hilore_verl.recovery import StepSnapshot
+    from hilore_verl.staged_copy import StagedCopy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -299,7 +302,7 @@ def test_step_snapshot_restores_parameters_and_adam_state(steps_before):
     for _ in range(steps_before):
         grads()
         optimizer.step()
-    snapshot = StepSnapshot(model, optimizer)
+    snapshot = StepSnapshot(model, optimizer, staged=staged, staging=StagedCopy(slot_bytes=40, slots=2))
     for _ in range(2):  # buffers are reused from one step to the next
         snapshot.take()  # when the mini-batch starts, before its passes
         before = ({n: p.detach().clone() for n, p in model.named_parameters()},
@@ -317,6 +320,27 @@ def test_step_snapshot_restores_parameters_and_adam_state(steps_before):
         assert state.keys() == before[1].keys()
         assert all(torch.equal(state[i][k], v) for i, s in before[1].items() for k, v in s.items())
     assert snapshot.nbytes == nbytes
+    assert snapshot.staging_bytes == (80 if staged else 0)
+
+
+@pytest.mark.parametrize("width", [64, 512])
+def test_the_step_snapshots_host_bytes_follow_its_formula_and_its_ring_does_not_grow(width):
+    """Pageable host bytes: exactly 12 per parameter with fp32 AdamW (parameter, two moments) and 4 per
+    parameter tensor (its step counter); the staging ring (pinned on an accelerator) stays SLOTS x SLOT_BYTES
+    whatever the model's size."""
+    from hilore_verl.recovery import StepSnapshot
+    from hilore_verl.staged_copy import SLOT_BYTES, SLOTS
+
+    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, width)).sum().backward()
+    optimizer.step()
+    snapshot = StepSnapshot(model, optimizer, staged=True).take()
+    snapshot.before_step()
+    n = sum(p.numel() for p in model.parameters())
+    assert snapshot.nbytes == 12 * n + 4 * len(list(model.parameters()))
+    assert snapshot.staging_bytes == SLOTS * SLOT_BYTES <= 2**30
+    snapshot.restore()
 
 
 def _ranks_fail(rank, world_size, model_dir, batch, points):

@@ -12,13 +12,14 @@ work. Two places must not add any:
     on the device, and the host waits only when a fault restores them.
 
 Reads are counted by patching torch.Tensor's conversions; the side stream through a stand-in for
-the device module (`recovery._device_module`), so both run without a GPU.
+the device module (`staged_copy.device_module`), so both run without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ class _FakeStream:
         self.log.append(("device_wait_event", self.name))
 
     def synchronize(self):
-        self.log.append(("host_wait", "stream"))
+        self.log.append(("host_wait", "stream", threading.current_thread().name))
 
 
 class _FakeEvent:
@@ -188,7 +189,7 @@ class _FakeEvent:
         self.log.append(("device_wait_event", stream.name))
 
     def synchronize(self):
-        self.log.append(("host_wait", "event"))
+        self.log.append(("host_wait", "event", threading.current_thread().name))
 
 
 class FakeDevice:
@@ -213,16 +214,16 @@ class FakeDevice:
         return _FakeEvent(self.log)
 
     def synchronize(self, device=None):
-        self.log.append(("host_wait", "device"))
+        self.log.append(("host_wait", "device", threading.current_thread().name))
 
 
 @pytest.fixture
 def fake_device(monkeypatch):
-    import hilore_verl.recovery as recovery
+    import hilore_verl.staged_copy as staged_copy
 
     log = []
     device = FakeDevice(log)
-    monkeypatch.setattr(recovery, "_device_module", lambda d: device)
+    monkeypatch.setattr(staged_copy, "device_module", lambda d: device)
     monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
     return log
 
@@ -244,35 +245,41 @@ def test_the_snapshot_waits_on_the_device_only_and_restores_exactly(fake_device)
     for _ in range(2):  # a step that succeeds, then one that fails after updating everything
         fake_device.clear()
         snapshot.take()
-        copies = sum(1 for entry in fake_device if entry[0] == "copy_on")
         before = ({n: p.detach().clone() for n, p in model.named_parameters()},
                   {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()})
         grads()  # the mini-batch's passes
         snapshot.before_step()
+        copies = sum(1 for entry in fake_device if entry[0] == "copy_on")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         optimizer.step()
         assert copies == 4 + 4 * 3 and fake_device.count(("copy_on", "side")) == copies  # 4 tensors; step, 2 moments
-        assert fake_device[0] == ("device_wait_stream", "side", "compute")  # behind the work that wrote them
-        assert ("device_wait_event", "compute") in fake_device
-        assert not [e for e in fake_device if e[0] == "host_wait"], fake_device  # the success path
-    snapshot.restore()
-    assert fake_device[-1] == ("host_wait", "event")  # only a restore waits on the host
+        # the side stream waits for the work that wrote them: an event recorded on the compute stream at take()
+        assert fake_device.index(("record", "compute")) < fake_device.index(("device_wait_event", "side"))
+        assert ("device_wait_event", "compute") in fake_device  # the step waits for the copies, on the device
+        assert not _main_thread_waits(fake_device), fake_device  # the success path: the worker's waits only
+    snapshot.restore()  # joins the worker, which waited for its copies on the host
+    assert not _main_thread_waits(fake_device), fake_device
     assert all(torch.equal(p, before[0][n]) for n, p in model.named_parameters())
     state = {id(p): s for p, s in optimizer.state.items()}
     assert all(torch.equal(state[i][k], v) for i, s in before[1].items() for k, v in s.items())
 
 
+def _main_thread_waits(log) -> list:
+    """Host waits on the device asked by the training thread (the staged copy's worker waits for its own)."""
+    return [e for e in log if e[0] == "host_wait" and e[2] == threading.main_thread().name]
+
+
 def _snapshot_timeline(rank, world_size, model_dir, batch):
-    import hilore_verl.recovery as recovery
+    import hilore_verl.staged_copy as staged_copy
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     log = []
     device = FakeDevice(log)
-    recovery._device_module = lambda d: device
+    staged_copy.device_module = lambda d: device
     torch.cuda.synchronize = device.synchronize
-    real_copy = recovery.StepSnapshot._copy
-    recovery.StepSnapshot._copy = lambda self, key, t: log.append(("copy",)) or real_copy(self, key, t)
+    real_start = staged_copy.StagedCopy.start
+    staged_copy.StagedCopy.start = lambda self, pairs: log.append(("copy",)) or real_start(self, pairs)
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
 
@@ -312,7 +319,10 @@ def _snapshot_timeline(rank, world_size, model_dir, batch):
     for name, e in (("reference", reference), ("retried", faulty)):
         log.clear()
         out = step(e)
-        timelines[name] = [entry[0] if entry[0] != "host_wait" else f"host_wait:{entry[1]}" for entry in log]
+        # the training thread's (the staged copy's worker waits on the host for its own copies)
+        timelines[name] = [("host_wait:" + entry[1] if entry[0] == "host_wait" else
+                            "step_wait" if entry == ("device_wait_event", "compute") else entry[0])
+                           for entry in log if entry[0] != "host_wait" or entry[2] == threading.main_thread().name]
         timelines[f"{name}_metrics"] = (out["metrics"]["hilore/oom_retries"], out["metrics"]["grad_norm"])
     same = all(torch.equal(a.to_local(), b.to_local())
                for a, b in zip(reference.module.parameters(), faulty.module.parameters()))
@@ -328,9 +338,8 @@ def test_the_snapshot_is_taken_before_the_step_and_a_retried_step_is_exact(tmp_p
         first_step = line.index("step_in")
         assert "copy" in line[:first_step] and "copy" not in line[first_step:], line  # outside the step's window
         steps = line.count("step_in")
-        assert steps == (1 if name == "reference" else 2) and line.count("device_wait_event") == steps, line
-        waits = [e for e in line if e.startswith("host_wait")]
-        assert waits == ([] if name == "reference" else ["host_wait:event"]), line  # only the restore waits
+        assert steps == (1 if name == "reference" else 2) and line.count("step_wait") == steps, line
+        assert not [e for e in line if e.startswith("host_wait")], line  # the retry's restore joins the worker
     retries, grad_norm = timelines["retried_metrics"]
     assert retries == [1.0] and grad_norm == timelines["reference_metrics"][1]  # the same grad norm
     assert same  # bitwise the uninterrupted step

@@ -366,3 +366,21 @@ def test_a_flex_failure_is_said_once_and_the_per_segment_path_serves(monkeypatch
         again, _ = attention.shared_prompt_attention(torch.nn.Module(), q, k, v, layout)
     assert torch.equal(first, reference) and torch.equal(again, reference) and len(calls) == 1
     assert sum("FlexAttention failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_compiled_block_mask_build_gives_the_eager_builds_mask():
+    """On an accelerator the block mask is built compiled (no L x L boolean): the same block mask as the
+    eager build, for two layouts of different lengths (one compiled kernel, dynamic in the length)."""
+    from hilore_verl.shared_prompt.flex import block_mask
+
+    g = torch.Generator().manual_seed(0)
+    for groups in ([(70, [50, 90, 30]), (1, [60])], [(200, [40, 40, 130]), (12, [300])]):
+        sequences = []
+        for gid, (prompt_len, responses) in enumerate(groups):
+            prompt = torch.randint(0, 50, (prompt_len,), generator=g)
+            sequences += [(gid, prompt, torch.randint(0, 50, (r,), generator=g)) for r in responses]
+        for window in (None, 64):
+            eager = block_mask(SharedLayout.build(sequences), window, torch.device("cpu"), compiled=False)
+            compiled = block_mask(SharedLayout.build(sequences), window, torch.device("cpu"), compiled=True)
+            tensors = [(a, b) for a, b in zip(eager.as_tuple(), compiled.as_tuple()) if isinstance(a, torch.Tensor)]
+            assert tensors and all(torch.equal(a, b) for a, b in tensors)

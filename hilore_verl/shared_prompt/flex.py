@@ -36,6 +36,24 @@ def _compiled_flex():
     return _COMPILED
 
 
+_COMPILED_MASK = None
+
+
+def _create_block_mask(compiled: bool):
+    """FlexAttention's `create_block_mask`, compiled (`compiled`): the eager build evaluates the mask on
+    every (q, kv) pair at once, an L x L boolean (1 GiB at 32K tokens) beside the layer's activations; the
+    compiled build reduces it block by block and holds only the block mask, about 16 (L / 128)^2 bytes
+    (1 MiB at 32K). Compiled once per process, for every row length."""
+    global _COMPILED_MASK
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if not compiled:
+        return create_block_mask
+    if _COMPILED_MASK is None:
+        _COMPILED_MASK = torch.compile(create_block_mask, dynamic=True)
+    return _COMPILED_MASK
+
+
 def token_ids(layout: SharedLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token of the row: (segment index, 0 for a prompt token else 1 + its response's index)."""
     segment, part = [], []
@@ -46,10 +64,10 @@ def token_ids(layout: SharedLayout, device: torch.device) -> tuple[torch.Tensor,
     return torch.cat(segment).to(device), torch.cat(part).to(device)
 
 
-def block_mask(layout: SharedLayout, window: int | None, device: torch.device):
-    """The layout's mask as FlexAttention's block mask, built once per forward (the layout's cache)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def block_mask(layout: SharedLayout, window: int | None, device: torch.device, compiled: bool | None = None):
+    """The layout's mask as FlexAttention's block mask, built once per forward (the layout's cache);
+    `compiled` (default: on an accelerator) builds it without the L x L mask (`_create_block_mask`)."""
+    compiled = device.type != "cpu" if compiled is None else compiled
     key = ("flex", window, str(device))
     cached = layout.mask_cache.masks.get(key)
     if cached is not None:
@@ -64,7 +82,7 @@ def block_mask(layout: SharedLayout, window: int | None, device: torch.device):
         return seen
 
     length = layout.shared_tokens
-    mask = create_block_mask(mask_mod, None, None, length, length, device=device)
+    mask = _create_block_mask(compiled)(mask_mod, None, None, length, length, device=device)
     layout.mask_cache.masks[key] = mask
     return mask
 
