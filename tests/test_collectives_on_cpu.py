@@ -137,11 +137,15 @@ def test_compile_workers_are_the_ranks_share_of_the_cpus(monkeypatch):
 
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setattr(inductor, "compile_threads", 32)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert limit_compile_workers() == 8 and inductor.compile_threads == 8  # 64 CPUs / 8 ranks
-    monkeypatch.setattr(inductor, "compile_threads", 32)
-    assert limit_compile_workers(ranks=128) == 1  # at least one
-    monkeypatch.setattr(inductor, "compile_threads", 32)
-    monkeypatch.setenv(ENV, "4")  # the user's setting stands
-    assert limit_compile_workers() is None and inductor.compile_threads == 32
+    saved = inductor.compile_threads  # restored by hand: Inductor's config is not a plain module attribute
+    try:
+        inductor.compile_threads = 32
+        assert limit_compile_workers() == 8 and inductor.compile_threads == 8  # 64 CPUs / 8 ranks
+        inductor.compile_threads = 32
+        assert limit_compile_workers(ranks=128) == 1  # at least one
+        inductor.compile_threads = 32
+        monkeypatch.setenv(ENV, "4")  # the user's setting stands
+        assert limit_compile_workers() is None and inductor.compile_threads == 32
+    finally:
+        inductor.compile_threads = saved
