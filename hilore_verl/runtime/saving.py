@@ -87,13 +87,17 @@ class Undecided:
     call known (`_decide`): kept exact and counted as a statistic, or compressed as the plan says. Never
     decided (a call cut short by an error): the exact tensor."""
 
-    __slots__ = ("tensor", "watch", "held", "key")
+    __slots__ = ("kept", "watch", "held", "key")
 
     def __init__(self, t: torch.Tensor, key):
-        self.tensor, self.watch, self.held, self.key = t.detach(), VersionWatch(t), None, key
+        self.kept, self.watch, self.held, self.key = Kept(t), VersionWatch(t), None, key  # versions at pack time
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.kept.tensor
 
     def get(self) -> torch.Tensor:
-        return (self.held if self.held is not None else Kept(self.tensor)).get()
+        return (self.held if self.held is not None else self.kept).get()
 
 
 def parameter_kind(t: torch.Tensor) -> str | None:
@@ -243,8 +247,11 @@ class SavedTensorHooks:
         """At the end of `record`'s call: its undecided saves, with every row of the call known."""
         for undecided in record.undecided:
             t, plan = undecided.tensor, fwd.plans[record.unit.index]
-            undecided.held = self._compress(t, record.unit, undecided.key, plan, is_row_statistic(t, record.rows),
-                                            fwd.stats.add, True, fwd, undecided.watch)
+            held = self._compress(t, record.unit, undecided.key, plan, is_row_statistic(t, record.rows),
+                                  fwd.stats.add, True, fwd, undecided.watch)
+            if isinstance(held, Kept):
+                held.version = undecided.kept.version  # an in-place change since the save is still caught
+            undecided.held = held
         record.undecided = None
 
     def _compress(self, t, unit, key, plan, statistic: bool, count, saved: bool, fwd, watch=None):
