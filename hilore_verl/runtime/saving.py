@@ -236,7 +236,9 @@ class SavedTensorHooks:
             if (not statistic and saved and locator is not None and locator[0] == "own" and not t.requires_grad
                     and fwd.compressed.get(key) is None):
                 undecided = Undecided(t, key)  # decided at the call's end (`_decide`)
-                record.undecided = (record.undecided or []) + [undecided]
+                if record.undecided is None:
+                    record.undecided = []
+                record.undecided.append(undecided)
                 return undecided
             return self._compress(t, unit, key, plan, statistic, count, saved, fwd)
         handle = record.drop(locator, geometry, VersionWatch(t))
