@@ -200,21 +200,27 @@ def _bench_outputs(args: argparse.Namespace, config, report: dict) -> int:
 def _gpu_check(args: argparse.Namespace) -> int:
     from hilore_verl.gpucheck import STAGES, run_check
 
-    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip()) if args.stages else tuple(STAGES)
+    if args.out is None:
+        print("hilore-verl gpu-check: give --out DIR (or set $OUT)", file=sys.stderr)
+        return 2
+    chosen = args.only if args.only is not None else args.stages
+    stages = tuple(s.strip() for s in chosen.split(",") if s.strip()) if chosen else STAGES
     bad = [s for s in stages if s not in STAGES] or ([] if stages else ["(none)"])
+    if args.only is not None and len(stages) != 1:
+        bad = bad or [args.only]
     if bad:
         print(f"hilore-verl gpu-check: unknown stage {bad[0]!r}; valid: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if args.device == "cuda":
+    if args.device == "cuda" and "environment" not in stages:
         import torch
 
-        if not torch.cuda.is_available():
-            print("hilore-verl gpu-check: no CUDA device here; run it on a GPU machine, or `--device cpu --tiny` "
-                  "for the CPU rehearsal", file=sys.stderr)
+        if not torch.cuda.is_available():  # only the environment stage can say why
+            print("hilore-verl gpu-check: no CUDA device here; run the environment stage for what is missing, "
+                  "or `--device cpu --tiny` for the CPU rehearsal", file=sys.stderr)
             return 2
     command = " ".join(["hilore-verl", *sys.argv[1:]]) if sys.argv[1:2] == ["gpu-check"] else "hilore-verl gpu-check"
     report = run_check(args.out, args.device, args.tiny, stages, args.time_limit_s, command=command,
-                       echo=lambda line: print(line, flush=True))
+                       echo=lambda line: print(line, flush=True), keep_others=stages != STAGES)
     print(f"wrote {os.path.join(args.out, 'gpu_check.json')} and {os.path.join(args.out, 'gpu_check.md')}")
     return 0 if report["passed"] else 1
 

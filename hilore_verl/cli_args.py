@@ -135,15 +135,20 @@ def _add_bench_planners(bench: argparse.ArgumentParser) -> None:
 
 
 def add_gpu_check(sub) -> argparse.ArgumentParser:
-    check = sub.add_parser("gpu-check", help="validate and measure hilore-verl on one GPU in one run (<= 8 min; "
+    check = sub.add_parser("gpu-check", help="validate and measure hilore-verl on one GPU in one run (<= 7 min; "
                                              "needs torch, triton, transformers, numpy only)")
-    check.add_argument("--out", required=True, help="folder for gpu_check.json, gpu_check.md and per-stage files")
+    check.add_argument("--out", default=os.environ.get("OUT") or None,
+                       help="folder for gpu_check.json, gpu_check.md and per-stage files (default: $OUT when set)")
     check.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu")
     check.add_argument("--tiny", action="store_true", help="tiny sizes in every stage (the CPU rehearsal)")
-    check.add_argument("--stages", default=None, help="comma-separated subset of: environment, codecs, runtime, "
-                                                      "model, profile (default: all, in that order)")
-    check.add_argument("--time-limit-s", type=number(0.0, inclusive=False), default=480.0,
-                       help="the whole check's time limit in seconds (default 480); each stage has its own too")
+    stages = check.add_mutually_exclusive_group()
+    stages.add_argument("--stages", default=None, help="comma-separated subset of: environment, codecs, runtime, "
+                                                       "shared_prompt, model, profile (default: all, in that order)")
+    stages.add_argument("--only", default=None, metavar="STAGE",
+                        help="rerun one stage; the other stages' rows of the report already in --out stay")
+    check.add_argument("--time-limit-s", type=number(0.0, inclusive=False), default=None,
+                       help="the whole check's time limit in seconds (default 420); each stage's own limit "
+                            "follows what the environment stage measured")
     return check
 
 

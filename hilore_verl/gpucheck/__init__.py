@@ -5,18 +5,20 @@ clone without installing: `PYTHONPATH=. python -m hilore_verl gpu-check --out DI
 in a process of its own under its own time limit (a failing or hung stage is recorded, the next one
 runs), the report rewritten after every stage so that it exists whatever happens:
 
-    environment   versions, device, compiler / Python.h / libcuda, one Triton launch
+    environment   versions, device, compiler / Python.h / libcuda, one Triton launch, a cold compile's
+                  seconds (the later limits follow it); without CUDA, what is missing
     codecs        Triton against the torch reference bit for bit; codec bandwidth against a device copy
     runtime       keep / recompute mixes bitwise on the device, compression within bounds, offload over
-                  steps of varying tokens, host synchronisations per step
+                  steps of varying tokens, host synchronisations of a warmed step against a budget
     shared_prompt the shared-prompt layout (FlexAttention on CUDA) against the per-sequence forward:
-                  log-probs, gradients, times
-    model         a real architecture (random weights), every method in a fresh process: peaks, step
-                  times, HiLoRe's predicted against measured peak and time, its first step
+                  log-probs, gradients, times, and which kernel served each pass
+    model         a real architecture (random weights), every row in a fresh process, like for like,
+                  GC and HiLoRe first: peaks, step times, HiLoRe's predicted against measured, targets
     profile       one HiLoRe step under the profiler: top kernels, share of host time in hilore-verl
 
 `--device cpu --tiny` runs every stage on the CPU at tiny sizes (the test suite does, so the check
-cannot rot). Outputs: DIR/gpu_check.json, DIR/gpu_check.md, one DIR/stage_<name>.json per stage.
+cannot rot). Outputs: DIR/gpu_check.json, DIR/gpu_check.md, one DIR/stage_<name>.json per stage;
+DIR defaults to $OUT.
 """
 
 from hilore_verl.gpucheck.run import STAGES, run_check

@@ -6,10 +6,12 @@ on CUDA bf16 compute with AdamW on fp32 master weights, as verl's FSDP2 mixed pr
     python -m hilore_verl.gpucheck.model METHOD CONFIG_JSON     -> one JSON line
 
 builds the method, runs its first step (for HiLoRe: probing, profiling, calibration and one update,
-through `Session`, the code verl's engine runs), then `steps` timed updates after resetting the
-peak counters: median seconds, peak allocated and reserved (CUDA) or the resident high-water mark
-(CPU). The stage then sets HiLoRe's measured peak and time against GC's and against its own
-predictions (predicted time: no GC's measured step + the cost model's extra seconds of the plan).
+through `Session`, the code verl's engine runs), then `steps` timed updates after emptying the
+allocator's cache and resetting the peak counters: median seconds, peak allocated and reserved (CUDA)
+or the resident high-water mark (CPU). The stage runs the rows of ROWS (each a method on a workload
+where every compared row does the same work), most important first, writes each row as it completes,
+then sets each pair of PAIRS side by side and each planner against its own predictions (predicted
+time: no GC's measured step + the cost model's extra seconds of the plan).
 """
 
 from __future__ import annotations
@@ -23,32 +25,53 @@ import time
 
 import torch
 
+from hilore_verl.gpucheck import process
 from hilore_verl.gpucheck.context import Context, StageReport
 from hilore_verl.host_memory import peak_resident_bytes, resident_bytes
 
-BASELINES = ("no_gc", "gc", "int8_boundary", "fp8_boundary")
 SESSIONS = {"keep_recompute": ("gc_ratio", 1.10, 0.0), "hilore": ("gc_ratio", 1.10, 0.01),
-            "hilore_auto": ("auto", 2.0, 0.01)}  # method -> budget mode, value, risk budget
-METHODS = ("gc", "hilore", "no_gc", "keep_recompute", "int8_boundary", "fp8_boundary", "hilore_auto")  # run order
+            "hilore_shared": ("gc_ratio", 1.10, 0.01), "hilore_auto": ("auto", 2.0, 0.01)}
+# method -> budget mode, value, risk budget
+
+# The rows a model is measured in, each (row, method, workload): "plain" gives every token a loss term,
+# so every method does the same work; "skip" puts half the groups at zero advantage and attends per
+# sequence (the shared-prompt attention with nothing shared: the pairs a varlen kernel computes), so
+# GC with those sequences dropped, HiLoRe (which skips them itself) and HiLoRe with each group's prompt
+# computed once compare on the same tokens. Rows are run in ROW_ORDER across the models: what the check
+# is for first, so a stage stopped at its limit has measured it.
+ROWS = {"gc": ("gc", "plain"), "hilore": ("hilore", "plain"), "no_gc": ("no_gc", "plain"),
+        "keep_recompute": ("keep_recompute", "plain"), "gc+skip": ("gc_drop_zero_adv", "skip"),
+        "hilore+skip": ("hilore", "skip"), "hilore+skip+shared": ("hilore_shared", "skip"),
+        "int8_boundary": ("int8_boundary", "plain"), "fp8_boundary": ("fp8_boundary", "plain"),
+        "hilore_auto": ("hilore_auto", "plain")}
+ROW_ORDER = ("gc", "hilore", "no_gc", "gc+skip", "hilore+skip", "hilore+skip+shared", "keep_recompute",
+             "int8_boundary", "fp8_boundary", "hilore_auto")
+WORKLOADS = {"plain": dict(zero_advantage_share=0.0), "skip": dict(zero_advantage_share=0.5, per_sequence_attention=True)}
 
 
 def workloads(ctx: Context) -> list[dict]:
-    """(bench config, methods, seconds allowed per method process) per model."""
+    """Per model: its bench config, its rows, seconds allowed per row's process, timed steps."""
     if ctx.tiny:
         return [{"config": dict(hidden_size=128, num_layers=2, vocab_size=512, num_groups=2, group_size=4,
                                 max_prompt_len=24, max_response_len=48, profile_tokens=256),
-                 "methods": ("no_gc", "gc", "int8_boundary", "keep_recompute", "hilore", "hilore_auto"),
-                 "timeout_s": 120, "steps": 2}]
+                 "rows": ("gc", "hilore", "no_gc", "gc+skip", "hilore+skip", "hilore+skip+shared", "keep_recompute",
+                          "int8_boundary", "hilore_auto"), "timeout_s": 120, "steps": 2}]
     shape = dict(num_groups=4, group_size=8, max_prompt_len=128, max_response_len=256, master_fp32=True)
-    return [{"config": dict(model="qwen2.5-1.5b", model_layers=8, **shape), "methods": METHODS,
-             "timeout_s": 60, "steps": 3},
-            {"config": dict(model="qwen2.5-7b", model_layers=3, **shape), "methods": ("no_gc", "gc", "hilore"),
-             "timeout_s": 60, "steps": 3}]
+    return [{"config": dict(model="qwen2.5-1.5b", model_layers=8, **shape), "rows": ROW_ORDER,
+             "timeout_s": 90, "steps": 3},
+            {"config": dict(model="qwen2.5-7b", model_layers=3, **shape), "rows": ("gc", "hilore", "no_gc"),
+             "timeout_s": 90, "steps": 3}]
+
+
+def schedule(loads: list[dict]) -> list[tuple[int, str]]:
+    """(model index, row) in the order they run: row by row of ROW_ORDER, each model in turn."""
+    return [(i, row) for row in ROW_ORDER for i, load in enumerate(loads) if row in load["rows"]]
 
 
 def _reset_peaks(cuda: bool) -> None:
-    if cuda:
+    if cuda:  # the cache the first step grew (probes, profiling) is not the steady step's reserve
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     else:
         with open("/proc/self/clear_refs", "w") as f:
@@ -63,7 +86,7 @@ def _peaks(cuda: bool) -> dict:
 
 
 def measure(method: str, config: dict, steps: int) -> dict:
-    """One method in this process: build, first step, `steps` timed steps."""
+    """One method in this process: build, first step, `steps` timed steps (peaks over those)."""
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.session_passes import SessionMethod
     from hilore_verl.bench.actor_update import BenchConfig, make_batch, tokens_of
@@ -76,18 +99,22 @@ def measure(method: str, config: dict, steps: int) -> dict:
     batch = make_batch(bench)
     warm_up("cuda" if cuda else "cpu")
     base = torch.cuda.memory_allocated() if cuda else resident_bytes()
+    base_reserved = torch.cuda.memory_reserved() if cuda else None
     start = time.perf_counter()
     if method in SESSIONS:
         mode, value, risk = SESSIONS[method]
         built = SessionMethod(method, bench, HiLoReConfig(enable=True, budget=BudgetConfig(mode, value),
-                                                          risk_budget=risk, profile_tokens=bench.profile_tokens))
+                                                          risk_budget=risk, profile_tokens=bench.profile_tokens),
+                              shared=method == "hilore_shared")
     else:
         built = M.build(method, bench, batch)
     build_s = time.perf_counter() - start
     first = built.step(batch)  # HiLoRe's: probing, profiling, calibration and the update
     _reset_peaks(cuda)
     times = [built.step(batch) for _ in range(steps)]
-    out = {"method": method, "tokens": tokens_of(batch), "base_bytes": base, "build_s": round(build_s, 4),
+    out = {"method": method, "tokens": tokens_of(batch), "trained_tokens": built.trained_tokens(batch),
+           "layer_tokens": built.layer_tokens(batch), "base_bytes": base, "base_reserved_bytes": base_reserved,
+           "build_s": round(build_s, 4),
            "first_step_s": round(first, 4), "step_s": statistics.median(times), "steps_s": times, **_peaks(cuda)}
     if method in SESSIONS:
         out.update(built.predicted(tokens_of(batch)))
@@ -98,7 +125,7 @@ def measure(method: str, config: dict, steps: int) -> dict:
 def _run_method(method: str, config: dict, steps: int, timeout: float, env: dict) -> dict:
     cmd = [sys.executable, "-m", "hilore_verl.gpucheck.model", method, json.dumps(config), str(steps)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = process.run(cmd, env, timeout)
     except subprocess.TimeoutExpired:
         return {"method": method, "status": "timeout", "error": f"over {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -108,67 +135,98 @@ def _run_method(method: str, config: dict, steps: int, timeout: float, env: dict
     return {"status": "ok", **json.loads(lines[-1])}
 
 
-def _peak_of(r: dict) -> float | None:
+def _peak_of(r: dict, reserved: bool = False) -> float | None:
     """What the method itself took at its peak: the peak over the process's memory before the model was
-    built (on the CPU that base is Python, torch and the libraries; on CUDA about nothing)."""
-    peak = r.get("peak_allocated_bytes", r.get("peak_rss_bytes"))
-    return None if peak is None else peak - r.get("base_bytes", 0)
+    built (on the CPU that base is Python, torch and the libraries; on CUDA about nothing). `reserved`:
+    the CUDA caching allocator's reserved peak (what the device gave the process) instead of allocated."""
+    if reserved:
+        peak, base = r.get("peak_reserved_bytes"), r.get("base_reserved_bytes") or 0
+    else:
+        peak, base = r.get("peak_allocated_bytes", r.get("peak_rss_bytes")), r.get("base_bytes", 0)
+    return None if peak is None else peak - base
+
+
+def _label(config: dict) -> str:
+    label = config.get("model") or f"qwen2-shaped hidden {config['hidden_size']}"
+    return label + (f" ({config['model_layers']} layers)" if config.get("model_layers") else "")
 
 
 def model_stage(report: StageReport, ctx: Context) -> None:
     env = dict(os.environ)
     deadline = float(env.get("HILORE_VERL_STAGE_DEADLINE", "inf"))
     loads = workloads(ctx)
-    pending = sum(len(load["methods"]) for load in loads)
-    for load in loads:  # each model gets its share of the time left, by its number of methods
-        share = (deadline - time.time()) * len(load["methods"]) / pending
-        pending -= len(load["methods"])
-        until = min(deadline, time.time() + share)
-        config = load["config"]
-        label = config.get("model") or f"qwen2-shaped hidden {config['hidden_size']}"
-        if config.get("model_layers"):
-            label += f" ({config['model_layers']} layers)"
-        results = {}
-        for method in load["methods"]:
-            left = until - time.time()
-            if left < 10:  # a method not measured is a failed check, not a quiet gap in the table
-                results[method] = r = {"method": method, "status": "skipped", "error": "no time left for this model"}
-            else:
-                r = _run_method(method, config, load["steps"], min(load["timeout_s"], left), env)
-                results[method] = r
-            report.check(f"{label}: {method} ran", r["status"] == "ok", r.get("error", ""))
-            report.figure(f"{label}: methods", results)
-        _compare(report, label, results, budget_is_checked=ctx.device == "cuda" and not ctx.tiny)
+    results: list[dict] = [{} for _ in loads]
+    for index, row in schedule(loads):
+        load = loads[index]
+        label, (method, workload) = _label(load["config"]), ROWS[row]
+        left = deadline - time.time()
+        if left < 10:  # a row not measured is a failed check, not a quiet gap in the table
+            r = {"method": method, "status": "skipped", "error": "no time left in the stage"}
+        else:
+            config = {**load["config"], **WORKLOADS[workload]}
+            r = _run_method(method, config, load["steps"], min(load["timeout_s"], left), env)
+        results[index][row] = {"workload": workload, **r}
+        report.check(f"{label}: {row} ran", r["status"] == "ok", r.get("error", ""))
+        report.figure(f"{label}: methods", results[index])  # each row as it completes
+    targets = ctx.device == "cuda" and not ctx.tiny
+    for load, rows in zip(loads, results):
+        _compare(report, _label(load["config"]), rows, targets)
 
 
-def _compare(report: StageReport, label: str, results: dict, budget_is_checked: bool) -> None:
-    """HiLoRe against GC (peak and time ratios) and against its own predictions. The budget is a check
-    on a GPU at real sizes; at tiny CPU sizes the resident high-water mark is mostly the allocator's and
-    the compiled codecs' (variants compiled after the base was taken), so there it is a figure only."""
-    ok = {m: r for m, r in results.items() if r.get("status") == "ok"}
-    gc, no_gc = ok.get("gc"), ok.get("no_gc")
-    summary = {}
-    for name, r in ok.items():
-        if gc is not None and _peak_of(gc) and _peak_of(r):
-            summary[name] = {"peak_vs_gc": round(_peak_of(r) / _peak_of(gc), 3),
-                             "time_vs_gc": round(r["step_s"] / gc["step_s"], 3)}
-    for name in [m for m in SESSIONS if m in ok]:
-        r = ok[name]
-        peak = _peak_of(r)
-        if peak and r.get("predicted_peak_bytes"):
-            summary.setdefault(name, {})["predicted_peak_vs_measured"] = round(r["predicted_peak_bytes"] / peak, 3)
-        if no_gc is not None and gc is not None:
-            summary.setdefault(name, {}).update(
-                predicted_time_vs_gc=round((no_gc["step_s"] + r["predicted_extra_s"])
-                                           / (no_gc["step_s"] + r["gc_predicted_extra_s"]), 3),
-                first_step_vs_gc_step=round(r["first_step_s"] / gc["step_s"], 2))
-    report.figure(f"{label}: summary", summary)
-    hilore = ok.get("hilore")
-    if hilore is not None and gc is not None and _peak_of(hilore) and _peak_of(gc):
-        ratio = _peak_of(hilore) / _peak_of(gc)
-        record = report.check if budget_is_checked else lambda name, ok, detail: report.figure(name, detail)
-        record(f"{label}: hilore's peak within its 1.10x GC budget (+5%)", ratio <= 1.10 * 1.05,
-                     f"measured {ratio:.3f}x GC's peak")
+# (row, against): the comparisons the stage reports, each on the same tokens and the same work
+PAIRS = (("hilore", "gc"), ("keep_recompute", "gc"), ("hilore_auto", "gc"), ("no_gc", "gc"), ("int8_boundary", "gc"),
+         ("fp8_boundary", "gc"), ("gc+skip", "gc"), ("hilore+skip", "gc+skip"), ("hilore+skip+shared", "hilore+skip"),
+         ("hilore+skip+shared", "gc+skip"))
+
+
+def _compare(report: StageReport, label: str, rows: dict, targets: bool) -> None:
+    """Peak and time ratios of each pair in PAIRS; each planner's predictions against its measurements;
+    on a GPU at real sizes the issue's targets as checks (at tiny CPU sizes the resident high-water mark
+    is mostly the allocator's and the compiled codecs', so there they are figures)."""
+    ok = {row: r for row, r in rows.items() if r.get("status") == "ok"}
+    ratios = {}
+    for row, against in PAIRS:
+        a, b = ok.get(row), ok.get(against)
+        if a is None or b is None or not (_peak_of(a) and _peak_of(b)):
+            continue
+        ratios[f"{row} / {against}"] = {"peak": round(_peak_of(a) / _peak_of(b), 3),
+                                       "throughput": round(b["step_s"] / a["step_s"], 3)}
+        if _peak_of(a, reserved=True) and _peak_of(b, reserved=True):
+            ratios[f"{row} / {against}"]["reserved_peak"] = round(_peak_of(a, True) / _peak_of(b, True), 3)
+    report.figure(f"{label}: ratios", ratios)
+    predictions = {}
+    no_gc = ok.get("no_gc")
+    for row in [r for r in ok if ROWS[r][0] in SESSIONS and ROWS[r][1] == "plain"]:
+        r, entry = ok[row], {}
+        if _peak_of(r) and r.get("predicted_peak_bytes"):
+            entry["peak"] = round(r["predicted_peak_bytes"] / _peak_of(r), 3)
+        if no_gc is not None:  # predicted step: keeping every unit (no GC, measured) + the plan's extra seconds
+            entry["step"] = round((no_gc["step_s"] + r["predicted_extra_s"]) / r["step_s"], 3)
+            if "gc" in ok:
+                entry["gc_step"] = round((no_gc["step_s"] + r["gc_predicted_extra_s"]) / ok["gc"]["step_s"], 3)
+        entry["first_step_vs_gc_step"] = round(r["first_step_s"] / ok["gc"]["step_s"], 2) if "gc" in ok else None
+        predictions[row] = entry
+    report.figure(f"{label}: predicted / measured", predictions)
+    _targets(report, label, ratios.get("hilore / gc"), predictions.get("hilore"), targets)
+
+
+def _targets(report: StageReport, label: str, ratio: dict | None, predicted: dict | None, checked: bool) -> None:
+    """HiLoRe against GC and against its own predictions: checks on a GPU at real sizes, figures elsewhere."""
+    record = report.check if checked else (lambda name, ok, detail: report.figure(name, detail))
+    if ratio is None:
+        record(f"{label}: hilore and gc both measured", False, "a row did not run")
+        return
+    peak = ratio.get("reserved_peak", ratio["peak"])
+    record(f"{label}: target: hilore's peak at most 1.10x GC's (reserved)", peak <= 1.10,
+           f"{peak:.3f}x (allocated {ratio['peak']:.3f}x)")
+    record(f"{label}: target: hilore at least 1.10x GC's throughput", ratio["throughput"] >= 1.10,
+           f"{ratio['throughput']:.3f}x")
+    if predicted is not None and "peak" in predicted:
+        record(f"{label}: target: predicted peak within 5% of measured", abs(predicted["peak"] - 1) <= 0.05,
+               f"predicted / measured {predicted['peak']:.3f}")
+    if predicted is not None and "step" in predicted:
+        record(f"{label}: target: predicted step time within 10% of measured", abs(predicted["step"] - 1) <= 0.10,
+               f"predicted / measured {predicted['step']:.3f}")
 
 
 if __name__ == "__main__":

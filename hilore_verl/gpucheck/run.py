@@ -3,7 +3,9 @@
 A stage process (`python -m hilore_verl.gpucheck.stage NAME ...`) writes DIR/stage_NAME.json as it
 goes (`StageReport`), so a stage killed at its limit still leaves what it measured. Here each
 stage's outcome is read back: passed (every check ok), failed (a check failed, or the stage raised),
-timeout, or skipped (no time left).
+timeout (what it measured is kept), or skipped (no time left, or no CUDA device). Limits follow what
+the environment stage measured (limits.py). A run of some stages (`--only`) replaces those stages'
+rows in the report already in DIR and keeps the others, each row saying which run it came from.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import subprocess
 import sys
 import time
 
+from hilore_verl.gpucheck import limits, process
 from hilore_verl.gpucheck.report import markdown
 
-# stage -> (time limit in seconds on a GPU, with --device cpu --tiny)
-STAGES = {"environment": (30, 120), "codecs": (90, 180), "runtime": (60, 180), "shared_prompt": (45, 120),
-          "model": (210, 420), "profile": (45, 120)}
-TOTAL_S = 480  # the whole check on a GPU: 8 minutes
+STAGES = ("environment", "codecs", "runtime", "shared_prompt", "model", "profile")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone or site-packages
+DEADLINE = "HILORE_VERL_STAGE_DEADLINE"  # epoch seconds by which a stage process should have finished
+COMMIT = "HILORE_VERL_COMMIT"  # the commit a copied tree was made from, where it has no .git
 
 
 def stage_env(device: str) -> dict[str, str]:
@@ -39,11 +41,23 @@ def stage_env(device: str) -> dict[str, str]:
     return env
 
 
+def commit() -> str | None:
+    """The commit the check runs: $HILORE_VERL_COMMIT, else the clone's HEAD (with '+changes' when dirty)."""
+    if os.environ.get(COMMIT):
+        return os.environ[COMMIT]
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
-
-
-DEADLINE = "HILORE_VERL_STAGE_DEADLINE"  # epoch seconds by which a stage process should have finished
 
 
 def _run_stage(name: str, out: str, device: str, tiny: bool, limit: float) -> dict:
@@ -56,13 +70,12 @@ def _run_stage(name: str, out: str, device: str, tiny: bool, limit: float) -> di
     status, error = None, ""
     try:
         env = {**stage_env(device), DEADLINE: str(time.time() + limit - 5)}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        proc = process.run(cmd, env, limit)
         if proc.returncode != 0:
             status, error = "failed", _tail(proc.stderr or proc.stdout)
     except subprocess.TimeoutExpired as err:
         status = "timeout"
-        error = f"stopped at its limit of {limit:.0f} s\n" + _tail((err.stderr or b"").decode(errors="replace")
-                                                                 if isinstance(err.stderr, bytes) else err.stderr or "")
+        error = f"stopped at its limit of {limit:.0f} s\n" + _tail(err.stderr or "")
     seconds = time.perf_counter() - start
     result = {"checks": [], "figures": {}}
     if os.path.exists(path):
@@ -70,36 +83,60 @@ def _run_stage(name: str, out: str, device: str, tiny: bool, limit: float) -> di
             result = json.load(f)
     if status is None:
         status = "passed" if all(c["ok"] for c in result["checks"]) else "failed"
-    return {"name": name, "status": status, "seconds": round(seconds, 2), "limit_s": limit, "error": error,
-            **result}
+    return {"name": name, "status": status, "seconds": round(seconds, 2), "limit_s": round(limit, 1),
+            "error": error, **result}
 
 
-def run_check(out: str, device: str = "cuda", tiny: bool = False, stages: tuple[str, ...] = tuple(STAGES),
-              total_s: float = TOTAL_S, command: str = "", echo=print) -> dict:
-    """Run `stages` in order; returns the report (also written to OUT/gpu_check.json and .md)."""
+def _skipped(name: str, why: str) -> dict:
+    return {"name": name, "status": "skipped", "seconds": 0.0, "limit_s": 0, "checks": [], "figures": {}, "error": why}
+
+
+def _earlier(out: str, stages: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """(runs, stage rows of stages not in `stages`) of the report already in `out`, if any."""
+    try:
+        with open(os.path.join(out, "gpu_check.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return [], []
+    return old.get("runs", []), [s for s in old.get("stages", []) if s["name"] not in stages]
+
+
+def run_check(out: str, device: str = "cuda", tiny: bool = False, stages: tuple[str, ...] = STAGES,
+              total_s: float | None = None, command: str = "", echo=print, keep_others: bool = False) -> dict:
+    """Run `stages` in order; returns the report (also written to OUT/gpu_check.json and .md).
+    `keep_others`: the other stages' rows of the report already in `out` stay (a rerun of some stages)."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stage {unknown[0]!r}; valid: {', '.join(STAGES)}")
+    if total_s is None:  # the CPU rehearsal: the sum of its fixed limits
+        total_s = sum(limits.COSTS[s].tiny_s for s in stages) if tiny else limits.TOTAL_S
     os.makedirs(out, exist_ok=True)
-    report = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "device": device, "tiny": tiny, "total_limit_s": total_s, "stages": []}
-    start = time.perf_counter()
-    for name in stages:
+    runs, others = _earlier(out, stages) if keep_others else ([], [])
+    run = {"run": len(runs) + 1, "command": command, "commit": commit(), "stages": list(stages),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    report = {"device": device, "tiny": tiny, "total_limit_s": total_s, "runs": [*runs, run], "stages": others}
+    start, no_device = time.perf_counter(), None
+    for i, name in enumerate(stages):
         left = total_s - (time.perf_counter() - start)
-        limit = min(STAGES[name][1 if tiny else 0], left)
-        if limit < 5:
-            result = {"name": name, "status": "skipped", "seconds": 0.0, "limit_s": 0, "checks": [], "figures": {},
-                      "error": f"no time left of the check's {total_s:.0f} s"}
+        limit = limits.limit(name, list(stages[i:]), left, out, tiny)
+        if no_device is not None:
+            result = _skipped(name, no_device)
+        elif limit < 5:
+            result = _skipped(name, f"no time left of the check's {total_s:.0f} s")
         else:
             echo(f"gpu-check: {name} (limit {limit:.0f} s) ...")
             result = _run_stage(name, out, device, tiny, limit)
+        result["run"] = run["run"]
         failed = [c["name"] for c in result["checks"] if not c["ok"]]
         echo(f"gpu-check: {name}: {result['status']} in {result['seconds']:.0f} s"
              + (f"; failed checks: {', '.join(failed)}" if failed else "")
              + (f"\n{result['error']}" if result["error"] and result["status"] != "passed" else ""))
-        report["stages"].append(result)
+        report["stages"] = [s for s in report["stages"] if s["name"] != name] + [result]
+        if name == "environment" and result["figures"].get("cuda_available") is False:
+            no_device = "no usable CUDA device (see the environment stage for what is missing)"
         write(report, out)
-    report["seconds"] = round(time.perf_counter() - start, 2)
+    report["stages"].sort(key=lambda s: STAGES.index(s["name"]))
+    run["seconds"] = round(time.perf_counter() - start, 2)
     report["passed"] = all(s["status"] == "passed" for s in report["stages"])
     write(report, out)
     return report

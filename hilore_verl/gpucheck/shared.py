@@ -1,6 +1,10 @@
 """gpu-check stage `shared_prompt`: the shared-prompt layout (hilore.shared_prompt) against the per-sequence
 forward on the device, log-probs and gradients; on CUDA through the FlexAttention kernel it runs there
-(shared_prompt/flex.py, forward and backward), on the CPU through the per-segment SDPA path."""
+(shared_prompt/flex.py, forward and backward), on the CPU through the per-segment SDPA path.
+
+The kernel the report names is the one that served: `attention.served()` counts the forward and backward
+calls each kernel ran during the measured pass, and the stage fails when they are not all the kernel the
+device should run (`kernel_on`, read before anything ran), with FlexAttention's failure as the reason."""
 
 from __future__ import annotations
 
@@ -43,10 +47,14 @@ def shared_prompt_stage(report: StageReport, ctx: Context) -> None:
     for gid, (prompt_len, responses) in enumerate(_groups(ctx)):
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g)
         sequences += [(gid, prompt, torch.randint(0, vocab, (r,), generator=g)) for r in responses]
-    report.figure("kernel", attention.kernel_on(device))
+    expected = attention.kernel_on(device)  # what this device should run, before anything ran
     reference, exact, plain_s = _run(model, unshared_log_probs, sequences, device)
+    start = time.perf_counter()
     _run(model, shared_log_probs, sequences, device)  # the first call compiles the kernel
+    report.figure("first_call_s", round(time.perf_counter() - start, 2))
+    attention.reset_served()
     logps, grads, shared_s = _run(model, shared_log_probs, sequences, device)
+    _kernel_served(report, attention, expected)
     low = next(model.parameters()).dtype != torch.float32
     diff = float((logps - reference).abs().max())
     bound = 0.1 if low else 1e-4  # bf16: the two layouts round their sums differently
@@ -56,3 +64,17 @@ def shared_prompt_stage(report: StageReport, ctx: Context) -> None:
     report.check(f"gradients: cosine >= {least:g} against the per-sequence forward", cos >= least,
                  f"cosine {cos:.6f}, rel {rel:.2e}")
     report.figure("forward_backward_s", {"per_sequence": round(plain_s, 4), "shared": round(shared_s, 4)})
+
+
+def _kernel_served(report: StageReport, attention, expected: str) -> None:
+    """Pass only when every forward and backward of the measured pass ran `expected`."""
+    served = attention.served()
+    reason = attention.fallback_reason()
+    report.figure("kernel", "+".join(sorted(served)) or "none")
+    report.figure("kernel_calls", served)
+    if reason is not None:
+        report.figure("fallback_reason", reason)
+    ran = served.get(expected, {"forward": 0, "backward": 0})
+    only = set(served) == {expected} and ran["forward"] > 0 and ran["backward"] > 0
+    report.check(f"{expected} served every forward and backward", only,
+                 f"served {served}" + (f"; FlexAttention failed: {reason}" if reason else ""))

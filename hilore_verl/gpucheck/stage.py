@@ -12,12 +12,12 @@ import os
 import sys
 import traceback
 
-from hilore_verl.gpucheck import model, profiling, shared, stages
+from hilore_verl.gpucheck import environment, model, profiling, shared, stages
 from hilore_verl.gpucheck.context import Context, StageReport
 
 
 def _stages():
-    return {"environment": stages.environment, "codecs": stages.codecs, "runtime": stages.runtime,
+    return {"environment": environment.environment, "codecs": stages.codecs, "runtime": stages.runtime,
             "shared_prompt": shared.shared_prompt_stage, "model": model.model_stage,
             "profile": profiling.profile_stage}
 

@@ -1,4 +1,4 @@
-"""The check's first three stages: environment, codecs, runtime (see gpucheck/__init__.py).
+"""The check's codecs and runtime stages (see gpucheck/__init__.py).
 
 On the CPU (`--device cpu`, Triton's interpreter) the same code runs at tiny sizes; what only a GPU
 can show (a compiled launch, bandwidth beyond L2, host synchronisations) is recorded as a figure there,
@@ -7,64 +7,15 @@ not passed as a check.
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
-from importlib import metadata
 
 import torch
 
 from hilore_verl.gpucheck.context import Context, StageReport, cosine, tiny_policy
 from hilore_verl.kernels import reference, triton_check, triton_codec
 
-PACKAGES = ("torch", "triton", "transformers", "numpy", "verl", "ray")
 MIB = 2**20
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------- environment
-def environment(report: StageReport, ctx: Context) -> None:
-    report.figure("versions", {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES},
-                               "torch_cuda": torch.version.cuda, "hilore_verl": _hilore_version()})
-    device = ctx.torch_device()
-    if ctx.device == "cuda":
-        if not report.check("CUDA device", torch.cuda.is_available(), "torch.cuda.is_available()"):
-            return
-        props = torch.cuda.get_device_properties(device)
-        report.figure("device", {"name": props.name, "capability": f"{props.major}.{props.minor}",
-                                 "memory_gib": round(props.total_memory / 2**30, 1),
-                                 "multiprocessors": props.multi_processor_count})
-    missing = [f"{what} ({fix})" for what, fix in triton_check.missing_pieces()]
-    if ctx.device == "cuda":
-        report.check("Triton launcher prerequisites", not missing, "; ".join(missing) or
-                     "C compiler, Python.h and libcuda present")
-    else:
-        report.figure("device", {"name": f"CPU ({os.cpu_count()} cores, {platform.machine()})"})
-        report.figure("launcher_prerequisites_missing", missing)  # informational on the CPU
-    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16)
-    start = time.perf_counter()
-    try:
-        q = triton_codec.quantize(x, "int8", 64)
-        y = triton_codec.dequantize(q)
-    except Exception as err:
-        report.check("one Triton launch (quantize + dequantize)", False, triton_check.failure_reason(device, err))
-        return
-    same, why = triton_check.compare(reference.quantize(x.cpu(), "int8", 64), q, y, "int8 bf16 64 x 256")
-    report.check("one Triton launch (quantize + dequantize)", same,
-                 why or f"bitwise the reference; first launch {time.perf_counter() - start:.2f} s (compilation)")
-
-
-def _hilore_version() -> str:
-    from hilore_verl import __version__
-
-    return __version__
 
 
 # ---------------------------------------------------------------------------------------------- codecs
@@ -148,34 +99,44 @@ def _timer(device: torch.device):
     return time_it
 
 
+ROUND_TRIP_VS_COPY = 0.8  # target on a GPU: a codec's round trip at least this share of a copy's bandwidth
+
+
 def _bandwidth(report: StageReport, ctx: Context, device: torch.device) -> None:
-    """Quantize, dequantize and round trip of bf16 against a device-to-device copy of the same bytes: as
-    GB/s of input and as the copy's time over the codec's (1.0: as fast as a copy). CUDA: 64 MiB-1 GiB
-    (beyond L2); on the CPU the product's CPU codec path at small sizes."""
+    """Quantize, dequantize and round trip of bf16 and fp32 against a device-to-device copy of the same
+    bytes: as GB/s of input and as the copy's time over the codec's (1.0: as fast as a copy). CUDA:
+    64 MiB-1 GiB (beyond L2), the target a check; on the CPU the product's CPU codec path at small sizes."""
     from hilore_verl.kernels import dequantize, quantize
 
     sizes = (1, 4) if ctx.tiny else (64, 256, 1024)
     time_it, n = _timer(device), 3 if ctx.tiny else 10
     rows = []
-    for mib in sizes:
-        x = torch.randn(mib * MIB // 2 // 1536, 1536, device=device, dtype=torch.bfloat16)
-        dst = torch.empty_like(x)
-        copy_s = time_it(lambda: dst.copy_(x), n)
-        for fmt in ("int8", "fp8", "int4"):
-            q = quantize(x, fmt, 64)
-            quant_s = time_it(lambda: quantize(x, fmt, 64), n)
-            deq_s = time_it(lambda: dequantize(q), n)
-            gb = x.numel() * 2 / 1e9
-            rows.append({"mib": mib, "format": fmt, "copy_gbps": round(gb / copy_s, 2),
-                         "quantize_gbps": round(gb / quant_s, 2), "dequantize_gbps": round(gb / deq_s, 2),
-                         "round_trip_gbps": round(gb / (quant_s + deq_s), 2),
-                         "round_trip_vs_copy": round(copy_s / (quant_s + deq_s), 3)})
-            del q
-        del x, dst
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    report.figure("bandwidth", rows)
-    report.check("codec bandwidth measured", bool(rows), f"{len(rows)} sizes x formats")
+    for dtype in (torch.bfloat16, torch.float32):
+        for mib in sizes:
+            x = torch.randn(mib * MIB // dtype.itemsize // 1536, 1536, device=device, dtype=dtype)
+            dst = torch.empty_like(x)
+            copy_s = time_it(lambda: dst.copy_(x), n)
+            for fmt in ("int8", "fp8", "int4"):
+                q = quantize(x, fmt, 64)
+                quant_s = time_it(lambda: quantize(x, fmt, 64), n)
+                deq_s = time_it(lambda: dequantize(q), n)
+                gb = x.numel() * x.element_size() / 1e9
+                rows.append({"dtype": str(dtype)[6:], "mib": mib, "format": fmt, "copy_gbps": round(gb / copy_s, 2),
+                             "quantize_gbps": round(gb / quant_s, 2), "dequantize_gbps": round(gb / deq_s, 2),
+                             "round_trip_gbps": round(gb / (quant_s + deq_s), 2),
+                             "round_trip_vs_copy": round(copy_s / (quant_s + deq_s), 3)})
+                report.figure("bandwidth", rows)
+                del q
+            del x, dst
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if ctx.device == "cuda" and not ctx.tiny:
+        slow = [f"{r['format']} {r['dtype']} {r['mib']} MiB: {r['round_trip_vs_copy']}" for r in rows
+                if r["round_trip_vs_copy"] < ROUND_TRIP_VS_COPY]
+        report.check(f"target: every round trip at least {ROUND_TRIP_VS_COPY:.0%} of a copy's bandwidth", not slow,
+                     "; ".join(slow) or f"least {min(r['round_trip_vs_copy'] for r in rows)}")
+    else:
+        report.check("codec bandwidth measured", bool(rows), f"{len(rows)} sizes x formats x dtypes")
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -261,34 +222,60 @@ def _offload_steps(report, ctx, rt, model, vocab, device) -> None:
                  f"token counts {lengths}")
 
 
+# host synchronisations the runtime may add to a warmed step, per micro-batch and plan: none for exact
+# plans; one for compressed ones (settling the inf / nan checks of its codes, when their copies have not
+# landed by the end of the backward: `Runtime.host_waits`)
+HOST_SYNC_BUDGET = {"runtime: keep": 0, "runtime: recompute": 0, "runtime: int8": 1, "runtime: int8 + offload": 1}
+MICRO_BATCHES = 2  # per counted step (gradient accumulation)
+WARM_STEPS = 2  # uncounted steps first: compiles, the allocator's growth, the offload pools
+
+
+def host_sync_verdict(counts: dict[str, int], micro_batches: int = MICRO_BATCHES) -> tuple[bool, str]:
+    """Whether each runtime plan's synchronisations over the plain model's stay within its budget."""
+    base, over = counts["plain model"], []
+    for label, budget in HOST_SYNC_BUDGET.items():
+        if label in counts and counts[label] - base > budget * micro_batches:
+            over.append(f"{label}: {counts[label] - base} over the plain model's {base} "
+                        f"(budget {budget} x {micro_batches} micro-batches)")
+    return not over, "; ".join(over) or f"within budget on a warmed step of {micro_batches} micro-batches: {counts}"
+
+
 def _host_syncs(report, ctx, rt, model, plain, ids) -> None:
-    """Device-to-host synchronisations in one forward + backward: what torch's sync debug mode reports
-    (stream / device synchronisations, blocking copies), plus the runtime's own waits on events, which
-    that mode cannot see (`Runtime.host_waits`). CUDA only."""
-    from hilore_verl import Plan
+    """Device-to-host synchronisations in a warmed step of MICRO_BATCHES forward + backward passes: what
+    torch's sync debug mode reports (stream / device synchronisations, blocking copies), plus the runtime's
+    own waits on events, which that mode cannot see (`Runtime.host_waits`); against HOST_SYNC_BUDGET.
+    CUDA only."""
+    from hilore_verl import Mode, Plan, UnitPlan
 
     if ctx.device != "cuda":
         report.figure("host_syncs_per_step", "not measurable on the CPU (no asynchronous device)")
         return
     import warnings
 
+    def step(module):
+        for _ in range(MICRO_BATCHES):
+            _grads(module, ids)
+
     counts = {}
     for label, module, plan in (("plain model", plain, None), ("runtime: keep", model, {}),
                                 ("runtime: int8", model, Plan(default="int8")),
+                                ("runtime: int8 + offload", model, Plan(default=UnitPlan(Mode.COMPRESS, fmt="int8",
+                                                                                       offload=True))),
                                 ("runtime: recompute", model, {u.name: "recompute" for u in rt.units})):
         if plan is not None:
             rt.set_plan(plan)
-        _grads(module, ids)  # warm-up outside the count
+        for _ in range(WARM_STEPS):
+            step(module)
         torch.cuda.synchronize()
         waits = rt.host_waits
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                _grads(module, ids)
+                step(module)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[label] = sum("synchroniz" in str(w.message) for w in caught) + rt.host_waits - waits
     report.figure("host_syncs_per_step", counts)
-    extra = max(counts[k] - counts["plain model"] for k in counts)
-    report.check("the runtime adds no host synchronisation to a step", extra <= 0, str(counts))
+    ok, detail = host_sync_verdict(counts)
+    report.check("host synchronisations within the runtime's budget", ok, detail)

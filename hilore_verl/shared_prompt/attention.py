@@ -32,7 +32,9 @@ attention call, and a query that is not one row of the layout's length.
 Kernels (`kernel_on(device)`): on CUDA one FlexAttention call over the whole row with the layout as a
 block mask (flex.py: a response computes the prompt's keys and its own, not its segment's square),
 compiled once per process; elsewhere, with dropout, or after FlexAttention failed once in the process
-(one warning), the per-segment SDPA path above.
+(one warning; `fallback_reason()`), the per-segment SDPA path above. `served()` counts the forward and
+backward calls each kernel actually served (`reset_served()` starts over), so a check can tell the
+kernel that ran from the one that was meant to.
 """
 
 from __future__ import annotations
@@ -72,6 +74,34 @@ def current_layout() -> SharedLayout | None:
 
 
 _FLEX_FAILED: list[str] = []  # why FlexAttention failed in this process (then the per-segment path serves)
+# kernel -> {"forward": calls, "backward": calls} that kernel served since the last `reset_served()`
+_SERVED: dict[str, dict[str, int]] = {}
+
+
+def _record(kernel: str, out: torch.Tensor) -> torch.Tensor:
+    """Count a forward served by `kernel`, and its backward once autograd has run it (a post-hook on the
+    node that produced `out`: it fires after that node's gradient is computed)."""
+    counts = _SERVED.setdefault(kernel, {"forward": 0, "backward": 0})
+    counts["forward"] += 1
+    if out.grad_fn is not None:
+        def backward_ran(*_):
+            counts["backward"] += 1
+        out.grad_fn.register_hook(backward_ran)
+    return out
+
+
+def served() -> dict[str, dict[str, int]]:
+    """Forward and backward calls each kernel served since `reset_served()`: what did run, not what should."""
+    return {k: dict(v) for k, v in _SERVED.items()}
+
+
+def reset_served() -> None:
+    _SERVED.clear()
+
+
+def fallback_reason() -> str | None:
+    """Why FlexAttention failed in this process (the per-segment path has served since), or None."""
+    return _FLEX_FAILED[0] if _FLEX_FAILED else None
 
 
 def kernel_on(device: torch.device | str) -> str:
@@ -218,7 +248,7 @@ def shared_prompt_attention(
     if dropout == 0.0 and kernel_on(query.device) == "flex":
         try:
             out = flex_shared_attention(query, key, value, layout, scaling, window, softcap)  # [1, H, L, Dv]
-            return out.transpose(1, 2).contiguous(), None
+            return _record("flex", out).transpose(1, 2).contiguous(), None
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 - said once; the per-segment path computes the same
@@ -240,6 +270,6 @@ def shared_prompt_attention(
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                                  enable_gqa=n_rep > 1)
-        outputs.append(out)  # [1, H, L_g, Dv]
+        outputs.append(_record("sdpa", out))  # [1, H, L_g, Dv]
     attn_output = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # [1, H, L, Dv]
     return attn_output.transpose(1, 2).contiguous(), None
