@@ -216,3 +216,31 @@ def test_the_shared_prompt_stage_names_the_kernel_that_served_and_fails_on_a_fal
     assert report.data["figures"]["kernel"] == "sdpa"
     assert "failed to compile" in report.data["figures"]["fallback_reason"]
     assert sum(c["ok"] for c in checks.values()) == 2  # log-probs and gradients: the fallback computes the same
+
+
+def test_a_process_stopped_at_its_limit_takes_its_children_with_it(tmp_path):
+    """A stage's row processes (and Inductor's compile workers) would hold the GPU through the next stage."""
+    import subprocess
+    import time
+
+    from hilore_verl.gpucheck import process
+
+    pid_file = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            f"time.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.run([sys.executable, "-c", code], dict(os.environ), timeout=3)
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        for _ in range(20):  # gone, or a zombie about to be reaped by init
+            os.kill(child, 0)
+            try:
+                status = open(f"/proc/{child}/stat").read().split()[2]
+            except FileNotFoundError:
+                raise ProcessLookupError from None
+            if status == "Z":
+                raise ProcessLookupError
+            time.sleep(0.1)
