@@ -50,9 +50,11 @@ def _compare(rank, world_size, model_dir, batch, remove_padding):
         planned = [engine.controller.tokens(i) for i in range(len(engine.controller._micro))]
         steps.append({"planned": planned, "cos": float(a @ b / (a.norm() * b.norm())), "rel": float((a - b).norm() / b.norm()),
                       "worst_param_rel": worst, "share": (metrics.get("hilore/shared/token_share") or [None])[0],
+                      "on": (metrics.get("hilore/shared_prompt_on") or [None])[0],
                       "verl": {k: metrics[k] for k in metrics0 if not k.startswith("hilore/")},
                       "verl0": {k: metrics0[k] for k in metrics0 if not k.startswith("hilore/")}})
-    return {"steps": steps, "refusals": [m for m in said if "shared prompt off" in m]}
+    return {"steps": steps, "refusals": [m for m in said if "shared prompt off" in m],
+            "check": engine._shared.check if engine._shared is not None else None}
 
 
 def _numbers(value) -> list[float]:
@@ -102,8 +104,12 @@ def test_shared_prompt_update_equals_stock_verl(tmp_path, remove_padding, split)
                     continue  # a per-micro-batch mean (clip fractions, ppo_kl): it follows how they are formed
                 assert _close(step["verl"][key], value, mean=split != "grouped"), (key, step["verl"][key], value)
         if remove_padding:  # each micro-batch: one prompt for two responses
+            assert rank["check"]["ok"] and all(s["on"] == 1.0 for s in rank["steps"]), rank  # the self-check passed
             assert all(s["share"] is not None and s["share"] < 0.9 for s in rank["steps"]), rank["steps"]
-            for s in rank["steps"]:  # planned at the tokens the layers compute, budgeted at verl's packed rows
+            # planned at the tokens the layers compute, budgeted at verl's packed rows; the first step is planned
+            # before the self-check (in verl's trainer the log-prob pass runs it first) at the packed rows
+            assert all(t <= r for t, r in rank["steps"][0]["planned"]), rank["steps"][0]
+            for s in rank["steps"][1:]:
                 assert all(t < r for t, r in s["planned"]), s
             assert rank["refusals"] == []
         else:  # verl's padded layout cannot be shared: said once, trained (and planned) as before
@@ -150,7 +156,60 @@ def test_the_planner_is_told_the_tokens_the_shared_layout_computes():
     tu.assign_non_tensor(micro_batch, use_remove_padding=True)
     layout = SharedLayout.build([(k, p, r) for k, p, r in _sequences(micro_batch)])
     n = sum(len(p) + len(r) for p, r in zip(prompts, responses))
-    assert SharedPrompt().tokens(micro_batch) == layout.shared_tokens == n - 2 * 3 < n
+    def checked(shared):  # after a passed first-use self-check
+        shared.checked(True, "agreed", 0.0)
+        return shared
+
+    assert SharedPrompt().tokens(micro_batch) == n  # before the self-check nothing runs shared
+    assert SharedPrompt().would_share(micro_batch)
+    assert checked(SharedPrompt()).tokens(micro_batch) == layout.shared_tokens == n - 2 * 3 < n
     tu.assign_non_tensor(micro_batch, use_fused_kernels=True)  # a micro-batch the layout refuses
-    assert SharedPrompt().tokens(micro_batch) == n
-    assert SharedPrompt(sp_size=2).tokens(micro_batch) == n
+    assert checked(SharedPrompt()).tokens(micro_batch) == n
+    assert checked(SharedPrompt(sp_size=2)).tokens(micro_batch) == n
+    assert not SharedPrompt().would_share(micro_batch)
+
+
+def _forced_mismatch(rank, world_size, model_dir, batch):
+    """The shared attention perturbed (as a wrong mask would): the self-check must turn sharing off."""
+    import logging
+
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.shared_prompt import attention
+
+    exact = attention.shared_prompt_attention
+
+    def wrong(*args, **kwargs):
+        out, weights = exact(*args, **kwargs)
+        return out + 0.5, weights
+
+    attention.shared_prompt_attention = wrong
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hilore_verl").addHandler(handler)
+    config = actor_config()
+    loss_fn = ppo_loss_fn(config)
+    stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
+    _, grads0 = _step(stock, batch, rank, world_size, loss_fn)
+    engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
+                               engine_cls=HiLoReFSDPEngine, actor_config=config,
+                               hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0,
+                                       "skip_zero_exposure": False})  # shared_prompt: on by default
+    metrics, grads = _step(engine, batch, rank, world_size, loss_fn)
+    return {"on": metrics["hilore/shared_prompt_on"], "share": metrics.get("hilore/shared/token_share"),
+            "said": [m for m in said if "self-check" in m], "check": engine._shared.check,
+            "equal": all(torch.equal(grads[n], g) for n, g in grads0.items())}
+
+
+def test_a_shared_forward_that_disagrees_turns_sharing_off_for_the_run(tmp_path):
+    """On by default; the first micro-batch it would share is also computed per sequence: a disagreement
+    (forced here) turns sharing off on every rank with one warning and the metric, and the update is
+    stock verl's bitwise (the ordinary layout, exact plans)."""
+    model_dir = save_tiny_model(tmp_path / "tiny-qwen2", "qwen2", seed=0)
+    ranks = run_on_ranks(_forced_mismatch, 2, args=(model_dir, make_grpo_batch(WORKLOAD, seed=3)))
+    for rank in ranks:
+        assert rank["check"]["ok"] is False and "max |diff|" in rank["check"]["why"], rank
+        assert _numbers(rank["on"]) == [0.0] and rank["share"] is None, rank
+        assert len(rank["said"]) == 1 and "shared prompt off for this run" in rank["said"][0], rank["said"]
+        assert rank["equal"], rank

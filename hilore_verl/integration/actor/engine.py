@@ -39,6 +39,7 @@ from hilore_verl.integration.actor.controller_file import read_controller_state,
 from hilore_verl.integration.actor.device_memory import compute_device
 from hilore_verl.integration.actor.passes import VerlPasses, padded, sequence_lengths_tensor
 from hilore_verl.integration.actor.loss import actor_exposure, batch_skip_refusal, loss_coefficients, skip_refusal
+from hilore_verl.integration.actor.shared_check import self_check
 from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
 from hilore_verl.recovery import StepSnapshot
 from hilore_verl.session import Session
@@ -217,7 +218,10 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self.is_mp_src_rank_with_outputs():
             # as verl's per-micro-batch metrics: a list per key, gathered over ranks and averaged by the trainer
             metrics.update(layout.metrics() if layout is not None else {})
-            metrics.update(self._shared.take_metrics() if self._shared is not None else {})
+            if self._shared is not None:
+                metrics.update(self._shared.take_metrics())
+            elif self.hilore.shared_prompt:  # configured, but this model cannot be served
+                metrics["hilore/shared_prompt_on"] = 0.0
             out["metrics"].update({k: [v] for k, v in metrics.items()})
         return out
 
@@ -322,6 +326,9 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_step(micro_batch, loss_function, forward_only=False)
 
     def forward_step(self, micro_batch, loss_function, forward_only):
+        if self._shared is not None and self._shared.check_due:
+            self_check(self._shared, micro_batch, lambda on: self._log_probs(micro_batch, on),
+                       getattr(self, "_autocast_dtype", torch.bfloat16), self.session.collectives)
         with self._shared_scope():
             if forward_only or self.controller is None:
                 return super().forward_step(micro_batch, loss_function, forward_only)
@@ -330,6 +337,12 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             if self.session.records_risk():
                 self.session.after_forward(index, self._exact_exposure(micro_batch, output))
             return loss, output
+
+    def _log_probs(self, micro_batch, shared: bool) -> torch.Tensor:
+        """The micro-batch's log-probs [tokens] from verl's forward alone, shared or in the ordinary layout."""
+        with self._shared_scope(), (self._shared.trial() if shared else contextlib.nullcontext()):
+            _, output = super().forward_step(micro_batch, None, forward_only=True)
+        return output["model_output"]["log_probs"].values()
 
     def _shared_scope(self):
         """One step's shared-prompt layout (integration/shared_prompt.py), when hilore.shared_prompt is on."""

@@ -106,6 +106,46 @@ class SharedPrompt:
         self.rule = rule  # which groups pay to share (None: every group with one prompt)
         self._active = contextlib.ExitStack()
         self._keys: tuple | None = None  # (mini-batch, per sequence (prompt key, tokens, prompt tokens))
+        self.on = True  # off for the run once the first-use self-check failed (shared_check.py)
+        self.check: dict | None = None  # the self-check's outcome: {"ok", "why", "seconds"}
+        self._trial = False  # inside `trial()`: the shared half of the self-check
+
+    @property
+    def check_due(self) -> bool:
+        """The self-check has not run yet (it runs at the first micro-batch some rank would share)."""
+        return self.on and self.check is None
+
+    @property
+    def active(self) -> bool:
+        """Micro-batches run shared: after the self-check passed, or inside its shared forward."""
+        return self._trial or (self.on and self.check is not None)
+
+    def checked(self, ok: bool, why: str, seconds: float) -> None:
+        self.check = {"ok": ok, "why": why, "seconds": seconds}
+        self.on = ok
+        self.stats = []  # the check's own forwards are not the run's
+
+    @contextlib.contextmanager
+    def trial(self):
+        """Inside the block micro-batches run shared before the self-check has passed (its shared half)."""
+        self._trial = True
+        try:
+            yield
+        finally:
+            self._trial = False
+
+    def would_share(self, micro_batch) -> bool:
+        """Whether `micro_batch` would run shared: servable, and its layout computes fewer tokens."""
+        why = self._refusal(micro_batch) if self.on else None
+        if why is not None:
+            self._refuse(why)  # said once, whether or not the check ever runs
+        if not self.on or self._said:
+            return False
+        sequences = _sequences(micro_batch)
+        if sequences is None:
+            return False
+        shared = shared_token_count([(key, p.numel(), r.numel()) for key, p, r in sequences], self.rule)
+        return shared < int(micro_batch["input_ids"].values().numel())
 
     @classmethod
     def install(cls, model: torch.nn.Module, sp_size: int = 1) -> "SharedPrompt":
@@ -151,7 +191,7 @@ class SharedPrompt:
         read or the sequences cannot fill `at_least` micro-batches (then verl's split is used)."""
         import verl.utils.tensordict_utils as tu
 
-        if self._refusal(data) is not None:
+        if not self.on or self._refusal(data) is not None:
             return None
         if self._keys is None or self._keys[0] is not data:
             sequences = _sequences(data)
@@ -179,7 +219,7 @@ class SharedPrompt:
         verl's packed row N where the layout will not be used (what the planner sizes a micro-batch by;
         after any refusal in this run, N, so that a micro-batch is never planned smaller than it runs)."""
         row = int(micro_batch["input_ids"].values().numel())
-        if self._said or self._refusal(micro_batch) is not None:
+        if not self.active or self._said or self._refusal(micro_batch) is not None:
             return row
         sequences = _sequences(micro_batch)
         if sequences is None:
@@ -189,6 +229,8 @@ class SharedPrompt:
 
     def rewrite(self, micro_batch, model_inputs: dict, output_args: dict) -> tuple[dict, dict]:
         """verl's model inputs for the ordinary packed row -> the shared layout's (or unchanged)."""
+        if not self.active:  # before the self-check passed, or after it failed
+            return model_inputs, output_args
         why = self._refusal(micro_batch)
         if why is not None:
             self._refuse(why)
@@ -231,12 +273,16 @@ class SharedPrompt:
             output.logits = output.logits.index_select(1, index)
 
     def take_metrics(self) -> dict[str, float]:
-        """Since the last call: the share of packed tokens the shared layout computed (1: nothing shared);
+        """Whether sharing is on (off after a failed self-check), the self-check's seconds once it ran, and
+        since the last call the share of packed tokens the shared layout computed (1: nothing shared);
         then the record starts again."""
         stats, self.stats = self.stats, []
-        if not stats:
-            return {}
-        return {"hilore/shared/token_share": sum(s[0] for s in stats) / max(sum(s[1] for s in stats), 1)}
+        out = {"hilore/shared_prompt_on": 1.0 if self.on else 0.0}
+        if self.check is not None:
+            out["hilore/shared/self_check_s"] = self.check["seconds"]
+        if stats:
+            out["hilore/shared/token_share"] = sum(s[0] for s in stats) / max(sum(s[1] for s in stats), 1)
+        return out
 
 
 def agreed_split(split, collectives, rounds: int = 8) -> list[list[int]] | None:
