@@ -32,7 +32,8 @@ doctor: $(VENV)/.installed
 	$(VENV)/bin/hilore-verl doctor
 
 demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/hilore-verl demo
+	mkdir -p outputs/demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/hilore-verl demo --json outputs/demo/demo.json --plot outputs/demo/demo.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .verl_suite

@@ -20,17 +20,20 @@ def _demo(args: argparse.Namespace) -> int:
     import json
 
     from hilore_verl.integration.tools.demo import DemoConfig, run_demo
+    from hilore_verl.integration.tools.demo_report import plot
 
-    config = DemoConfig(steps=args.steps, seed=args.seed, recipe_dir=args.recipe_dir or "", task_dir=args.task_dir,
-                        overrides=tuple(args.override))
+    config = DemoConfig(steps=args.steps, seed=args.seed, recipe=args.recipe, recipe_dir=args.recipe_dir or "",
+                        task_dir=args.task_dir or "", overrides=tuple(args.override))
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     bad = [a for a in arms if a not in ("hilore", "gc")] or ([] if arms else ["(none)"])
     if bad:
         print(f"hilore-verl demo: unknown demo arm {bad[0]!r}; valid: hilore, gc (e.g. --arms hilore,gc)",
               file=sys.stderr)
         return 2
-    print(f"hilore-verl demo: verl's main_ppo, GRPO on the tiny CPU recipe (random 2-layer Qwen2, copy the "
-          f"first digit), 2 ranks through Ray, {config.steps} steps per arm ({', '.join(arms)})", flush=True)
+    what = {"demo_cpu": "a random 4-layer hidden-256 Qwen2, prompts of 64-192 digits, answer the first",
+            "tiny_cpu": "a random 2-layer hidden-64 Qwen2, copy the first digit"}[config.recipe]
+    print(f"hilore-verl demo: verl's main_ppo, GRPO on recipe {config.recipe} ({what}), 2 ranks through Ray, "
+          f"{config.steps} steps per arm ({', '.join(arms)})", flush=True)
     result = run_demo(config, arms, echo=lambda line: print(line, flush=True))
     print()
     print(result.table())
@@ -38,6 +41,9 @@ def _demo(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
         print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot} (reward and actor-update time per step)")
     return 0
 
 
@@ -228,7 +234,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 def _tiny_task(args) -> int:
     from hilore_verl.tiny_task import make_tiny_task
 
-    root = make_tiny_task(args.out)
+    root = make_tiny_task(args.out, shape=args.shape)
     print(f"hilore-verl tiny-task: {os.path.abspath(root)} (model/, train.parquet, val.parquet)")
     return 0
 

@@ -22,17 +22,21 @@ def add_doctor(sub) -> argparse.ArgumentParser:
 
 
 def add_demo(sub) -> argparse.ArgumentParser:
-    demo = sub.add_parser("demo", help="verl's main_ppo on the tiny CPU recipe: HiLoRe next to verl's GC")
-    demo.add_argument("--steps", type=positive, default=20, help="GRPO steps per arm (default 20)")
+    demo = sub.add_parser("demo", help="verl's main_ppo on a CPU recipe: HiLoRe next to verl's GC")
+    demo.add_argument("--steps", type=positive, default=10, help="GRPO steps per arm (default 10)")
     demo.add_argument("--arms", default="hilore,gc", help="comma-separated: hilore, gc (default both)")
     demo.add_argument("--seed", type=seed, default=0, help="data order and rollout sampling (default 0)")
-    demo.add_argument("--task-dir", default=".tiny_cpu", help="the tiny task's folder, written if missing "
-                                                              "(default .tiny_cpu)")
-    demo.add_argument("--recipe-dir", default=None, help="folder of tiny_cpu.yaml (default: the repository's "
+    demo.add_argument("--recipe", choices=("demo_cpu", "tiny_cpu"), default="demo_cpu",
+                      help="demo_cpu (default: GRPO's proportions) or tiny_cpu (the tests' tiny task)")
+    demo.add_argument("--task-dir", default=None, help="the task's folder, written if missing (default .demo_cpu, "
+                                                       "or .tiny_cpu with --recipe tiny_cpu)")
+    demo.add_argument("--recipe-dir", default=None, help="folder of the recipe's YAML (default: the repository's "
                                                          "recipes/grpo)")
     demo.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                      help="a hydra override for both arms (repeatable), e.g. data.train_batch_size=16")
+                      help="a hydra override for both arms (repeatable), e.g. actor_rollout_ref.actor.use_kl_loss=true")
     demo.add_argument("--json", metavar="PATH", type=output_path, help="also write the per-step records as JSON")
+    demo.add_argument("--plot", metavar="FILE.png", type=output_path,
+                      help="also draw reward and actor-update time per step for both arms")
     return demo
 
 
@@ -40,6 +44,8 @@ def add_tiny_task(sub) -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny-task", help="write the tiny CPU task recipes/grpo/tiny_cpu.yaml names (model, "
                                             "tokenizer, parquet data; no download)")
     tiny.add_argument("--out", default=".tiny_cpu", help="folder to write (default .tiny_cpu, as the recipe names)")
+    tiny.add_argument("--shape", choices=("tiny", "demo"), default="tiny",
+                      help="tiny (tests; recipes/grpo/tiny_cpu.yaml) or demo (recipes/grpo/demo_cpu.yaml, .demo_cpu)")
     return tiny
 
 

@@ -1,6 +1,9 @@
 """HiLoReFSDPEngine's state and bookkeeping: the audit's micro-batch and metrics, exposure under an
 entropy bonus, stochastic rounding in the plans, and the controller state in checkpoints (JSON,
-validated)."""
+validated).
+
+The engines here run verl's ordinary layout (`shared_prompt: False`, compared bitwise with stock verl).
+"""
 
 import json
 import logging
@@ -141,7 +144,7 @@ def _audits(rank, world_size, model_dir, batch):
     loss_fn = ppo_loss_fn(actor_config())
     engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                engine_cls=HiLoReFSDPEngine,
-                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1,
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1,
                                        "stochastic_rounding": True, "seed": 7,
                                        "skip_zero_exposure": False})  # micro-batch 0 stays, without exposure
     compressed = []  # every compressed unit's plan the controller hands the runtime
@@ -204,7 +207,7 @@ def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     def build():  # a risk model too: its calibration is part of the state a resume must keep
         return build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                  engine_cls=HiLoReFSDPEngine, actor_config=config,
-                                 hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 0})
+                                 hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 0})
 
     engine = build()
     _train_step(engine, batch, rank, world_size, loss_fn)

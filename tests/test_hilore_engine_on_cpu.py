@@ -3,6 +3,9 @@
 lr = 0, so both engines see the same weights. Risk budget 0: the planner may only keep or
 recompute, so gradients must be bitwise those of stock verl. Risk budget > 0: compressed units
 appear and the gradient stays within the runtime's bounds (cosine >= 0.999, 0.996 with int4).
+
+The engines here run verl's ordinary layout (`shared_prompt: False`): bitwise equality with stock
+verl holds there; the shared layout agrees within reordering (tests/test_shared_prompt_engine_on_cpu.py).
 """
 
 import dataclasses
@@ -52,7 +55,7 @@ def _compare(rank, world_size, model_dir, batch, risk_budget):
     _, grads0 = step(stock)
     hilore = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                engine_cls=HiLoReFSDPEngine, actor_config=config,
-                               hilore={"enable": True, "risk_budget": risk_budget, "min_bytes": 1024,
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": risk_budget, "min_bytes": 1024,
                                        "budget": {"mode": "gc_ratio", "value": 1.1}, "audit_every": 0})
     results = []
     for _ in range(2):
@@ -101,7 +104,7 @@ def _audit_and_oom(rank, world_size, model_dir, batch):
     _, exact = step(stock)
     engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                engine_cls=HiLoReFSDPEngine,
-                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
     out1, _ = step(engine)  # audited step
     plan_micro_batch, calls = engine.controller.plan_micro_batch, []
 
@@ -154,7 +157,7 @@ def _with_model_options(rank, world_size, model_dir, batch, options):
     grads0 = step(build_fsdp_engine(model_dir, **build))
     torch.manual_seed(0)
     engine = build_fsdp_engine(model_dir, **build, engine_cls=HiLoReFSDPEngine, actor_config=config,
-                               hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.0, "min_bytes": 1024, "audit_every": 0})
     grads = step(engine)
     proj = {u.name: u for u in engine.runtime.units}["layers.0.attn.proj"]
     return {"same_parameters": sorted(grads0) == sorted(grads) and len(grads0) > 0,
@@ -211,7 +214,7 @@ def _first_steps_without_exposure(rank, world_size, model_dir, batch):
     stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
     engine = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9,
                                engine_cls=HiLoReFSDPEngine, actor_config=config,
-                               hilore={"enable": True, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.5, "min_bytes": 1024, "audit_every": 1})
     _, exact = _train_step(stock, flat, rank, world_size, loss_fn)
     steps = []
     for data in (flat, flat if rank == 0 else batch, batch):

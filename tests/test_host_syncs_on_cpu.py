@@ -13,6 +13,9 @@ work. Two places must not add any:
 
 Reads are counted by patching torch.Tensor's conversions; the side stream through a stand-in for
 the device module (`staged_copy.device_module`), so both run without a GPU.
+
+The engines here run verl's ordinary layout (`shared_prompt: False`): the shared layout reads each
+micro-batch's token ids and response lengths on the host by design (one copy per forward, docs/design.md).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _forward_reads(rank, world_size, model_dir, batch, hilore):
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
     stock = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True)
     managed = build_fsdp_engine(model_dir, lr=1e-2, gradient_checkpointing=True, engine_cls=HiLoReFSDPEngine,
-                                actor_config=config, hilore={"enable": True, "min_bytes": 1024,
+                                actor_config=config, hilore={"enable": True, "shared_prompt": False, "min_bytes": 1024,
                                                              "skip_zero_exposure": False, **hilore})
     result = {}  # per forward step: the skip (one read per mini-batch, in train_batch) would change the count
     for name, engine in (("stock", stock), ("hilore", managed)):
@@ -285,7 +288,7 @@ def _snapshot_timeline(rank, world_size, model_dir, batch):
 
     def engine():
         e = build_fsdp_engine(model_dir, lr=1e-2, clip_grad=0.5, engine_cls=HiLoReFSDPEngine, actor_config=config,
-                              hilore={"enable": True, "risk_budget": 0.0, "min_bytes": 1024, "oom_retries": 1})
+                              hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.0, "min_bytes": 1024, "oom_retries": 1})
         real_step = e.optimizer_step
 
         def optimizer_step():

@@ -3,6 +3,9 @@ over ranks (skip.form), and the update through verl's engine on 2 gloo ranks aga
 
 Bound: with skipping the gradient is stock verl's summed in another order (other micro-batches), so it
 is compared with max |g - g_stock| <= 1e-5 * max |g_stock| (fp32); without skipping, bitwise.
+
+The engines here run verl's ordinary layout (`shared_prompt: False`), where the skip is bitwise stock
+verl's; the shared layout's own tests are tests/test_shared_prompt_engine_on_cpu.py.
 """
 
 import threading
@@ -219,7 +222,7 @@ def _modes_against_stock(rank, world_size, model_dir, batch, defer):
     common = dict(gradient_checkpointing=True, lr=0.0, clip_grad=1e9, defer_gradient_sync=defer)
     stock = build_fsdp_engine(model_dir, **common)
     hilore = build_fsdp_engine(model_dir, engine_cls=HiLoReFSDPEngine, **common,
-                               hilore={"enable": True, "risk_budget": 0.0, "audit_every": 0, "min_bytes": 1024})
+                               hilore={"enable": True, "shared_prompt": False, "risk_budget": 0.0, "audit_every": 0, "min_bytes": 1024})
     results = []
     cases = [(m, "token-mean", False) for m in policy_loss_modes()]
     cases += [("vanilla", agg, dyn) for agg in AGG_MODES for dyn in (False, True)]
@@ -267,7 +270,7 @@ def _whole_mini_batch_skipped(rank, world_size, model_dir, batch):
     zero = dict(batch, advantages=torch.zeros_like(batch["advantages"]))
     out = {}
     for name, kwargs in (("stock", {}), ("hilore", dict(engine_cls=HiLoReFSDPEngine, hilore={
-            "enable": True, "risk_budget": 0.0, "audit_every": 0, "min_bytes": 1024}))):
+            "enable": True, "shared_prompt": False, "risk_budget": 0.0, "audit_every": 0, "min_bytes": 1024}))):
         engine = build_fsdp_engine(model_dir, **common, **kwargs)
         metrics = []
         for b in (batch, zero):  # moments first, then a mini-batch that is skipped whole

@@ -62,7 +62,7 @@ def self_check(shared, micro_batch, forward: Callable[[bool], torch.Tensor], dty
     seconds = time.perf_counter() - start
     if agreed:
         shared.checked(True, f"agreed with the per-sequence forward: {why}", seconds)
-        logger.info("hilore-verl: shared prompt self-check passed in %.2f s (%s)", seconds, why)
+        logger.warning("hilore-verl: shared prompt on: its first-use self-check passed in %.2f s (%s)", seconds, why)
         return
     reason = why if not ok else "another rank's shared forward disagreed with its per-sequence forward"
     shared.checked(False, reason, seconds)

@@ -1,15 +1,16 @@
-"""`hilore-verl demo`: verl's own trainer (`main_ppo`) on the tiny CPU recipe, HiLoRe next to verl's GC.
+"""`hilore-verl demo`: verl's own trainer (`main_ppo`) on a CPU recipe, HiLoRe next to verl's GC.
 
-Each arm is one `python -m verl.trainer.main_ppo --config-path recipes/grpo --config-name tiny_cpu`
-run from the same seed (the tiny task `make install` writes: a random 2-layer Qwen2 policy, copy the
-first digit), on 2 ranks through Ray, generating with the plugin's `hf` rollout:
+Each arm is one `python -m verl.trainer.main_ppo --config-path recipes/grpo --config-name demo_cpu`
+run from the same seed (the demo task: a random 4-layer hidden-256 Qwen2 policy, prompts of 64-192
+digits, answer with the first; `--recipe tiny_cpu`: the tests' tiny task), on 2 ranks through Ray,
+generating with the plugin's `hf` rollout:
 
     hilore   actor_rollout_ref.actor.hilore.enable=true    (plans keep / compress / recompute)
     gc       actor_rollout_ref.actor.hilore.enable=false   (stock verl: full gradient checkpointing)
 
 Per step it prints what verl's tracker logged (verl's file logger, one JSON line per step): the
 reward (`critic/score/mean`), the actor update time (`timing_s/update_actor`) and HiLoRe's plan
-(`actor/hilore/plan/*`). Each arm's peak memory is the largest peak RSS (VmHWM) among its rank
+(`actor/hilore/plan/*`), with the shares of tokens skipped and computed shared. Each arm's peak memory is the largest peak RSS (VmHWM) among its rank
 processes (Ray's `WorkerDict` actors), read while the arm runs. HiLoRe's first actor call includes
 its one-time profiling and the codec's compilation; the mean update time excludes step 1 in both arms.
 """
@@ -23,27 +24,34 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import psutil
 
 from hilore_verl import host_memory
 
 ARMS = {"hilore": "true", "gc": "false"}
+TASKS = {"demo_cpu": ("demo", ".demo_cpu"), "tiny_cpu": ("tiny", ".tiny_cpu")}  # recipe -> task shape, folder
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    steps: int = 20
+    steps: int = 10
     """GRPO steps per arm."""
     seed: int = 0
     """verl's data shuffle seed and the rollout's sampling seed."""
+    recipe: str = "demo_cpu"
+    """The recipe both arms run: demo_cpu (the main job) or tiny_cpu (the tests' tiny task)."""
     recipe_dir: str = ""
-    """Folder of `tiny_cpu.yaml` (default: the repository's recipes/grpo)."""
-    task_dir: str = ".tiny_cpu"
-    """The tiny task's folder (`hilore-verl tiny-task`); written first if missing."""
+    """Folder of the recipe's YAML (default: the repository's recipes/grpo)."""
+    task_dir: str = ""
+    """The task's folder (`hilore-verl tiny-task`; default .demo_cpu or .tiny_cpu); written first if missing."""
     overrides: tuple[str, ...] = field(default_factory=tuple)
     """Extra hydra overrides for both arms (e.g. `data.train_batch_size=16`)."""
+
+
+def task_dir(config: DemoConfig) -> str:
+    return config.task_dir or TASKS[config.recipe][1]
 
 
 def default_recipe_dir() -> str:
@@ -81,13 +89,19 @@ def step_record(step: int, metrics: dict) -> dict:
     plan = {key.rsplit("_", 1)[1]: int(v) for key, v in metrics.items()
             if key.startswith("actor/hilore/plan/units_")}
     record = {"step": step, "reward": metrics["critic/score/mean"], "update_s": metrics["timing_s/update_actor"],
-              "step_s": metrics["timing_s/step"],
+              "step_s": metrics["timing_s/step"], "gen_s": metrics.get("timing_s/gen"),
+              "response_length": metrics.get("response_length/mean"),
+              "response_clip_ratio": metrics.get("response_length/clip_ratio"),
               "plan": " ".join(f"{m}:{n}" for m, n in sorted(plan.items())) or "full recompute (verl GC)"}
     for key in ("predicted_peak_gib", "budget_gib"):
         if f"actor/hilore/plan/{key}" in metrics:
             record[key] = metrics[f"actor/hilore/plan/{key}"]
     if "actor/hilore/skip/token_share" in metrics:  # tokens left out of the update (zero-exposure sequences)
         record["skipped_share"] = metrics["actor/hilore/skip/token_share"]
+    if "actor/hilore/shared/token_share" in metrics:  # tokens the shared layout computed of the packed rows
+        record["shared_share"] = metrics["actor/hilore/shared/token_share"]
+    if "actor/hilore/shared_prompt_on" in metrics:
+        record["shared_prompt_on"] = metrics["actor/hilore/shared_prompt_on"]
     if "actor/hilore/arm/baseline" in metrics:  # share of micro-batches on the measured hands-off baseline
         record["baseline_share"] = metrics["actor/hilore/arm/baseline"]
     return record
@@ -95,8 +109,8 @@ def step_record(step: int, metrics: dict) -> dict:
 
 def arm_command(arm: str, config: DemoConfig) -> list[str]:
     recipe = os.path.abspath(config.recipe_dir or default_recipe_dir())
-    task = os.path.abspath(config.task_dir)
-    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", recipe, "--config-name", "tiny_cpu",
+    task = os.path.abspath(task_dir(config))
+    return [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", recipe, "--config-name", config.recipe,
             f"actor_rollout_ref.actor.hilore.enable={ARMS[arm]}", f"trainer.total_training_steps={config.steps}",
             "trainer.logger=[file]", f"trainer.experiment_name=demo_{arm}", f"data.seed={config.seed}",
             f"actor_rollout_ref.rollout.seed={config.seed}", f"actor_rollout_ref.model.path={task}/model",
@@ -139,50 +153,12 @@ def _read_steps(path: str, steps: list[dict], arm: str, config: DemoConfig, echo
         record = step_record(line["step"], line["data"])
         steps.append(record)
         skipped = f"  skipped {100 * record['skipped_share']:5.1f}% of tokens" if "skipped_share" in record else ""
+        if "shared_share" in record:
+            skipped += f", computed {100 * record['shared_share']:5.1f}% shared"
         echo(f"[{arm:>6}] step {record['step']:2d}/{config.steps}  reward {record['reward']:.3f}  "
              f"update {record['update_s']:6.3f} s{skipped}  {record['plan']}"
              + (" (hands-off baseline, measured faster)" if record.get("baseline_share") else ""))
     return steps
-
-
-@dataclass
-class DemoResult:
-    config: DemoConfig
-    arms: dict[str, dict]
-
-    def mean_update_s(self, arm: str) -> float:
-        times = [s["update_s"] for s in self.arms[arm]["steps"][1:]] or [self.arms[arm]["steps"][0]["update_s"]]
-        return sum(times) / len(times)
-
-    def mean_reward(self, arm: str, first: bool) -> float:
-        steps = self.arms[arm]["steps"]
-        half = steps[: max(1, len(steps) // 2)] if first else steps[len(steps) // 2:]
-        return sum(s["reward"] for s in half) / len(half)
-
-    def table(self) -> str:
-        names = list(self.arms)
-        lines = ["step | " + " | ".join(f"reward {a:>6} | update s {a:>6}" for a in names) + " | skipped (hilore)"]
-        for i in range(self.config.steps):
-            row = [f"{self.arms[a]['steps'][i]['reward']:13.3f} | {self.arms[a]['steps'][i]['update_s']:15.3f}"
-                   for a in names]
-            share = self.arms.get("hilore", {"steps": [{}] * self.config.steps})["steps"][i].get("skipped_share")
-            lines.append(f"{i + 1:4d} | " + " | ".join(row) + (f" | {100 * share:15.1f}%" if share is not None else ""))
-        lines.append("")
-        for a in names:
-            lines.append(f"{a:>6}: mean reward {self.mean_reward(a, True):.3f} (first half) -> "
-                         f"{self.mean_reward(a, False):.3f} (second half); mean update "
-                         f"{self.mean_update_s(a):.3f} s (steps 2..{self.config.steps}); peak RSS "
-                         f"{self.arms[a]['peak_rss_gib']:.2f} GiB per rank")
-        if {"hilore", "gc"} <= set(names):
-            last = self.arms["hilore"]["steps"][-1]
-            lines.append(f"HiLoRe / GC actor-update time: {self.mean_update_s('hilore') / self.mean_update_s('gc'):.3f}"
-                         f"; peak RSS {self.arms['hilore']['peak_rss_gib'] / self.arms['gc']['peak_rss_gib']:.3f}x"
-                         f" GC's; last plan {last['plan']}, predicted peak {last['predicted_peak_gib'] * 2**20:.0f} KiB"
-                         f" of a {last['budget_gib'] * 2**20:.0f} KiB budget")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "arms": self.arms}
 
 
 def recipe_line(config: DemoConfig) -> str:
@@ -191,23 +167,29 @@ def recipe_line(config: DemoConfig) -> str:
     from omegaconf import OmegaConf
 
     recipe = os.path.abspath(config.recipe_dir or default_recipe_dir())
-    actor = OmegaConf.merge(OmegaConf.load(os.path.join(recipe, "hilore_grpo.yaml")),
-                            OmegaConf.load(os.path.join(recipe, "tiny_cpu.yaml")),
+    layers = ["hilore_grpo.yaml", "cpu_host.yaml", f"{config.recipe}.yaml"]  # the recipe's defaults, in order
+    actor = OmegaConf.merge(*(OmegaConf.load(os.path.join(recipe, name)) for name in layers),
                             OmegaConf.from_dotlist([o for o in config.overrides if "=" in o]))
     a = actor.actor_rollout_ref.actor
     loss = a.get("policy_loss", {}).get("loss_mode", "vanilla")
     kl = f"KL loss {a.kl_loss_coef} ({a.kl_loss_type})" if a.get("use_kl_loss") else "no KL loss"
-    return (f"recipe: GRPO, policy loss {loss}, {a.loss_agg_mode}, {kl}, entropy coefficient {a.entropy_coeff}, "
-            f"{actor.actor_rollout_ref.rollout.n} responses per prompt, both arms from seed {config.seed}")
+    return (f"recipe {config.recipe}: GRPO, policy loss {loss}, {a.loss_agg_mode}, {kl}, entropy coefficient "
+            f"{a.entropy_coeff}, {actor.actor_rollout_ref.rollout.n} responses per prompt, prompts up to "
+            f"{actor.data.max_prompt_length} tokens, responses up to {actor.data.max_response_length}, both arms "
+            f"from seed {config.seed}")
 
 
-def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc"), echo=print) -> DemoResult:
+def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc"), echo=print):
+    """Both arms in turn; returns their DemoResult (demo_report.py)."""
+    from hilore_verl.integration.tools.demo_report import DemoResult
+    from hilore_verl.tiny_task import make_tiny_task
+
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise ValueError(f"unknown demo arm {bad[0]!r}; valid: hilore, gc")
-    from hilore_verl.tiny_task import make_tiny_task
-
-    make_tiny_task(config.task_dir)
+    if config.recipe not in TASKS:
+        raise ValueError(f"unknown demo recipe {config.recipe!r}; valid: {', '.join(TASKS)}")
+    make_tiny_task(task_dir(config), shape=TASKS[config.recipe][0])
     echo(recipe_line(config))
     results = {}
     with tempfile.TemporaryDirectory(prefix="hilore-demo-") as tmp:
