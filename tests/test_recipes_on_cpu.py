@@ -108,6 +108,8 @@ def _worker_update(rank, world_size, model_dir, batch):
         cfg = compose("tiny_cpu", [f"actor_rollout_ref.model.path={model_dir}",
                                    f"actor_rollout_ref.actor.hilore.enable={flag}",
                                    "actor_rollout_ref.actor.hilore.risk_budget=0",
+                                   # bitwise holds in verl's ordinary layout (the shared one: within reordering)
+                                   "actor_rollout_ref.actor.hilore.shared_prompt=false",
                                    "actor_rollout_ref.actor.optim.lr=1e-3"])
         worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
         worker.init_model()
