@@ -41,7 +41,7 @@ def _report(code=REPORT, env=None):
 
 
 ON_CPU = {"loaded": True, "error": None,
-          "registered": ["platform:cpu", "cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning",
+          "registered": ["platform:cpu", "attention:hilore_packed_sdpa", "cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning",
                          "cpu:ray-resources", "cpu:rollout-hf", "config:one-line-errors"],
           "device": "cpu", "platform": "PlatformCPU", "backend": "gloo"}
 
