@@ -22,16 +22,22 @@ def _step(engine, batch, rank, world_size, loss_fn, **kwargs):
     return out["metrics"], grads
 
 
-def _compare(rank, world_size, model_dir, batch, remove_padding):
+def _messages() -> list[str]:
+    """Every message hilore_verl logs in this process from now on."""
     import logging
-
-    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
-    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("hilore_verl").addHandler(handler)
+    return said
+
+
+def _compare(rank, world_size, model_dir, batch, remove_padding):
+    from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
+
+    said = _messages()
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     kwargs = remove_padding if isinstance(remove_padding, dict) else {"use_remove_padding": remove_padding}
@@ -171,8 +177,6 @@ def test_the_planner_is_told_the_tokens_the_shared_layout_computes():
 
 def _forced_mismatch(rank, world_size, model_dir, batch):
     """The shared attention perturbed (as a wrong mask would): the self-check must turn sharing off."""
-    import logging
-
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.shared_prompt import attention
@@ -184,10 +188,7 @@ def _forced_mismatch(rank, world_size, model_dir, batch):
         return out + 0.5, weights
 
     attention.shared_prompt_attention = wrong
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("hilore_verl").addHandler(handler)
+    said = _messages()
     config = actor_config()
     loss_fn = ppo_loss_fn(config)
     stock = build_fsdp_engine(model_dir, gradient_checkpointing=True, lr=0.0, clip_grad=1e9)
