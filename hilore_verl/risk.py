@@ -120,32 +120,36 @@ SUM_CHUNK = 2**20  # elements per float64 partial sum: three such chunks are the
 
 def gradient_sums(exact: Gradient, approx: Gradient) -> torch.Tensor:
     """[|a - e|^2, |e|^2, |a|^2, e.a] in float64 over two gradients of one layout, summed chunk by chunk
-    (SUM_CHUNK elements): the extra memory is a few float64 chunks (24 MiB), not a float64 copy of the
-    gradient, at the moment device memory is tightest."""
+    (SUM_CHUNK elements) in three float64 buffers allocated once (24 MiB): not a float64 copy of the
+    gradient, at the moment device memory is tightest, and no allocation per chunk for the allocator to
+    keep."""
     exact = [exact] if isinstance(exact, torch.Tensor) else list(exact)
     approx = [approx] if isinstance(approx, torch.Tensor) else list(approx)
     if len(exact) != len(approx):
         raise ValueError(f"gradients of different layouts: {len(exact)} and {len(approx)} tensors")
-    device = next((t.device for t in exact + approx if t is not None), torch.device("cpu"))
+    present = [t for t in exact + approx if t is not None]
+    device = present[0].device if present else torch.device("cpu")
     sums = torch.zeros(4, dtype=torch.float64, device=device)
+    if not present:
+        return sums
+    size = min(SUM_CHUNK, max(t.numel() for t in present))
+    buf_e, buf_a, buf_d = (torch.empty(size, dtype=torch.float64, device=device) for _ in range(3))
     for e, a in zip(exact, approx):
         if e is None and a is None:
             continue
-        e = torch.zeros_like(a) if e is None else e  # a parameter one pass left without a gradient
-        a = torch.zeros_like(e) if a is None else a
-        e, a = e.detach().reshape(-1), a.detach().reshape(-1)
-        if e.numel() != a.numel():
+        if e is not None and a is not None and e.numel() != a.numel():
             raise ValueError(f"gradients of different layouts: {e.numel()} and {a.numel()} elements")
-        for start in range(0, e.numel(), SUM_CHUNK):
-            sums += _chunk_sums(e[start:start + SUM_CHUNK], a[start:start + SUM_CHUNK])
+        numel = (e if e is not None else a).numel()
+        e = None if e is None else e.detach().reshape(-1)  # None: a parameter one pass left without a gradient
+        a = None if a is None else a.detach().reshape(-1)
+        for start in range(0, numel, SUM_CHUNK):
+            n = min(SUM_CHUNK, numel - start)
+            ce, ca, cd = buf_e[:n], buf_a[:n], buf_d[:n]
+            ce.copy_(e[start:start + n]) if e is not None else ce.zero_()
+            ca.copy_(a[start:start + n]) if a is not None else ca.zero_()
+            torch.sub(ca, ce, out=cd)
+            sums += torch.stack([cd.dot(cd), ce.dot(ce), ca.dot(ca), ce.dot(ca)])
     return sums
-
-
-def _chunk_sums(e: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """`gradient_sums` of one chunk (its float64 copies freed on return, before the next chunk's)."""
-    e, a = e.double(), a.double()
-    d = a - e
-    return torch.stack([d.dot(d), e.dot(e), a.dot(a), e.dot(a)])
 
 
 def calibrate(grad_fn: GradFn, units: Sequence[str], exposure_l2: float, fmts: Sequence[str] = FORMATS,

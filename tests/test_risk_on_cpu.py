@@ -157,6 +157,31 @@ def test_risk_follows_the_plans_codec_settings():
     assert risk.predict({"head": "int8+offload"}, 1.0) == risk.predict({"head": "int8"}, 1.0) == rtn
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_sums_equal_float64_sums_over_chunks_and_missing_gradients(monkeypatch, dtype):
+    """Chunks of 7 elements over tensors of 1, 7, 8 and 23 elements, a gradient only one pass has (the
+    other counts as zero) and one neither has: the float64 sums of the whole, concatenated."""
+    from hilore_verl import risk as risk_module
+
+    monkeypatch.setattr(risk_module, "SUM_CHUNK", 7)
+    g = torch.Generator().manual_seed(1)
+    shapes = [(1,), (7,), (2, 4), (23,), (5,), (3,)]
+    exact = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    approx = [e + 0.1 * torch.randn(e.shape, generator=g).to(dtype) for e in exact]
+    exact[4], approx[5] = None, None  # only the approximate pass has the fifth, only the exact the sixth
+    exact.append(None)
+    approx.append(None)
+    sums = risk_module.gradient_sums(exact, approx)
+    pairs = [(x, y) for x, y in zip(exact, approx) if x is not None or y is not None]
+    e = torch.cat([(x if x is not None else torch.zeros_like(y)).double().reshape(-1) for x, y in pairs])
+    a = torch.cat([(y if y is not None else torch.zeros_like(x)).double().reshape(-1) for x, y in pairs])
+    ref = torch.stack([(a - e).pow(2).sum(), e.pow(2).sum(), a.pow(2).sum(), e.dot(a)])
+    torch.testing.assert_close(sums, ref, rtol=1e-12, atol=0)
+    assert risk_module.gradient_sums([None], [None]).tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="different layouts"):
+        risk_module.gradient_sums([torch.ones(3)], [torch.ones(4)])
+
+
 def test_the_audits_sums_read_gradients_in_place_in_bounded_memory():
     """The audit's and calibration's sums over two gradients of 2 x 128 MiB (fp32, as verl's sharded
     gradients) add at most three float64 chunks (3 x SUM_CHUNK x 8 bytes = 24 MiB) to the resident peak of
