@@ -103,3 +103,55 @@ def test_host_checks():
     with_cpus.ray_kwargs.ray_init.num_cpus = 16
     assert host_error(with_cpus) is None
     assert "use vllm or sglang" in host_error(config(device="cuda"))
+
+
+def test_the_shared_prompt_note_names_verls_balance_over_ranks():
+    from omegaconf import OmegaConf
+
+    from hilore_verl.integration.actor.config_check import shared_prompt_note
+
+    def config(hilore=None, n=8, ranks=2, **extra):
+        actor = {"hilore": {"enable": True, **(hilore or {})}, **extra.pop("actor", {})}
+        return OmegaConf.create({"trainer": {"n_gpus_per_node": ranks, "nnodes": 1, **extra},
+                                 "actor_rollout_ref": {"actor": actor, "rollout": {"n": n}}})
+
+    assert "use_prefix_grouper=true" in shared_prompt_note(config())  # verl's default balance_batch: true
+    assert shared_prompt_note(config(actor={"use_prefix_grouper": True})) is None
+    assert shared_prompt_note(config(balance_batch=False)) is None
+    assert shared_prompt_note(config(ranks=1)) is None and shared_prompt_note(config(n=1)) is None
+    assert shared_prompt_note(config({"shared_prompt": False})) is None
+    assert shared_prompt_note(config({"enable": False})) is None
+
+
+def test_verls_balance_keeps_each_group_on_one_rank_under_use_prefix_grouper():
+    """What the recipes rely on (verl 0.9.1's `_balance_batch`): with the flag every prompt's responses land
+    on one rank, in their order; without it they spread over the ranks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    groups, n, ranks = 8, 4, 2
+    lengths = torch.randint(8, 40, (groups * n,), generator=g)
+    mask = (torch.arange(48)[None, :] < lengths[:, None]).long()
+    uid = np.array([f"p{i // n}" for i in range(groups * n)], dtype=object)
+
+    def ranks_of(grouper: bool) -> list[np.ndarray]:
+        batch = DataProto.from_dict(tensors={"attention_mask": mask.clone()}, non_tensors={"uid": uid.copy()})
+        trainer = SimpleNamespace(use_prefix_grouper=grouper, _get_dp_size=lambda *a, **k: ranks, actor_rollout_wg=None,
+                                  config=OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4}}}))
+        RayPPOTrainer._balance_batch(trainer, batch, metrics={})
+        return np.split(batch.non_tensor_batch["uid"], ranks)  # verl's dispatch: equal contiguous chunks
+
+    parts = ranks_of(True)
+    assert sorted(len(part) for part in parts) == [groups * n // ranks] * ranks
+    for part in parts:  # whole groups, each contiguous
+        assert all((part == u).sum() == n for u in set(part))
+        assert all(len(set(part[i:i + n])) == 1 for i in range(0, len(part), n))
+    spread = ranks_of(False)
+    assert any((part == u).sum() < n for part in spread for u in set(part))  # stock balance splits groups

@@ -15,6 +15,11 @@ Two host checks run there too, for what would otherwise fail late or not at all:
 - on a one-node CPU run with Ray's CPU count left to Ray (`ray_kwargs.ray_init.num_cpus: null`), fewer
   cores than Ray must hold: a placement bundle per rank, the transfer queue's controller and storage
   units, and one more to schedule the remaining actors. Ray would wait for them forever.
+
+And one note, printed once without stopping: with the shared prompt on over several data-parallel ranks,
+verl's `trainer.balance_batch` (on by default) spreads each prompt's responses over the ranks unless
+`actor.use_prefix_grouper` is set (in verl 0.9.1 that flag only balances whole groups); the shared
+prompt then finds few prompts to compute once (`shared_prompt_note`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,22 @@ def host_error(config) -> str | None:
     return None
 
 
+def shared_prompt_note(config) -> str | None:
+    """Why the shared prompt will find few groups on one rank under `config` (the module docstring), or None."""
+    actor, trainer = config.actor_rollout_ref.actor, config.trainer
+    hilore = actor.get("hilore", None) or {}
+    ranks = int(trainer.get("n_gpus_per_node", 1)) * int(trainer.get("nnodes", 1))
+    if not (hilore.get("enable", False) and hilore.get("shared_prompt", True)) or ranks < 2:
+        return None
+    if not trainer.get("balance_batch", True) or actor.get("use_prefix_grouper", False):
+        return None
+    if int(config.actor_rollout_ref.rollout.get("n", 1)) < 2:
+        return None
+    return ("trainer.balance_batch spreads each prompt's responses over the ranks, so the shared prompt "
+            "computes few prompts once; set actor_rollout_ref.actor.use_prefix_grouper=true (verl 0.9.1 then "
+            "balances whole groups; the recipes in recipes/grpo do) or trainer.balance_batch=false")
+
+
 def _wrap(module) -> None:
     validate = module.validate_config
 
@@ -70,6 +91,9 @@ def _wrap(module) -> None:
         if message is not None:
             print(f"hilore-verl: bad config: {message}", file=sys.stderr, flush=True)
             raise SystemExit(2)
+        note = shared_prompt_note(config) if config is not None else None
+        if note is not None:
+            print(f"hilore-verl: note: {note}", file=sys.stderr, flush=True)
         try:
             return validate(*args, **kwargs)
         except Exception as err:
