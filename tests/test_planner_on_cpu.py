@@ -596,6 +596,34 @@ def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
     assert _applied(ctl, rt, 0) == solved and not rt.hands_off  # each arm's plan cached apart
 
 
+def test_a_measured_overshoot_never_rules_out_gc_under_a_gc_ratio_budget(tiny):
+    """Measured peaks far above the predictions tighten the other plans' room, not GC's: at half the
+    budget no plan fits the memory model, and the controller runs HF checkpointing hands-off (what the
+    budget is a multiple of), not every unit recomputed through the hooks; after an out-of-memory retry
+    (GC may not fit either) or under a fixed budget, the least memory there is, as before."""
+    import dataclasses
+
+    _, rt, run, tokens = _checkpointed_tiny()
+    costs = dataclasses.replace(profile(rt, run, tokens, element_size=4), runtime_overhead_s=1e-9)
+    gc = rt.checkpoint_plan()
+    ctl = Controller(rt, costs, None, BudgetConfig("gc_ratio", 1.10))
+    ctl.begin_mini_batch([1.0], [tokens])
+    _applied(ctl, rt, 0)
+    ctl.end_mini_batch(4.0 * ctl.limit(tokens), noise_bytes=0.0)  # measured at 4x what the plan predicted
+    assert ctl.peak_factor <= 0.5 and ctl.predicted_peak(ctl._all(RECOMPUTE), tokens) > ctl.limit(tokens)
+    assert ctl.gc_always_fits() == gc
+    ctl.begin_mini_batch([1.0], [tokens])
+    assert _applied(ctl, rt, 0) == gc and rt.hands_off
+    ctl.oom_factor = 0.9  # an out-of-memory retry ran
+    ctl.begin_mini_batch([1.0], [tokens])
+    ctl._cache.clear()
+    assert ctl.gc_always_fits() is None
+    least = min((gc, ctl._all(RECOMPUTE)), key=lambda p: ctl.predicted_peak(p, tokens))
+    assert _applied(ctl, rt, 0) == least
+    fixed = Controller(rt, costs, None, BudgetConfig("gib", ctl.gc_peak * 1.1 / 2**30))
+    assert fixed.gc_always_fits() is None
+
+
 def test_a_budget_that_fits_every_unit_kept_keeps_every_unit(tiny):
     """At no GC's peak (the budget of keeping everything at the micro-batch's own tokens), every unit is
     kept, though plans are cached per bucket of tokens (a bucket's largest micro-batch would not fit)."""

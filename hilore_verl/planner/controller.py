@@ -119,6 +119,17 @@ class Controller(PlanSearch):
         checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
         return checkpoint if checkpoint is not None else self._all(RECOMPUTE)
 
+    def gc_always_fits(self) -> dict[str, UnitPlan] | None:
+        """The hands-off GC plan where it is within the budget by definition, whatever the measured peaks
+        say: a gc_ratio budget (value >= 1) is a multiple of that very plan's peak, and budget and plans
+        are predicted by one memory model, so a misprediction that tightens the measured-peak factor would
+        otherwise rule out what the user runs without HiLoRe and leave plans slower than it. None after an
+        out-of-memory retry (then GC may not fit either), under a fixed budget, or without the model's
+        own checkpointing."""
+        if self.budget.mode != "gc_ratio" or self.oom_factor < 1.0 or self.runtime is None:
+            return None
+        return self.runtime.checkpoint_plan()
+
     def memory_budget_at(self, tokens: int) -> float:
         """gc_ratio budgets follow GC's peak (`gc_plan`) at the micro-batch size; gib / auto are fixed."""
         if self.budget.mode == "gc_ratio":

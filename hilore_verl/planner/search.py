@@ -1,7 +1,8 @@
 """Plan search: how the controller finds one micro-batch's plan under its memory model. The solver
 (planner/solver.py) prices units one by one, so it runs again with each layer's region bytes as a
 surcharge on recomputing that layer's units while the memory model says its plan does not fit; the
-exact plans that bound the search (GC's, every unit recomputed) compete where they fit; local search
+exact plans that bound the search (GC's, every unit recomputed) compete where they fit, and under a
+gc_ratio budget GC's hands-off plan always (`Controller.gc_always_fits`); local search
 (planner/refine.py) improves each plan that fits, and the fastest wins. Then the choice of arm: the
 solver's plan, or the cheapest hands-off exact plan where the runtime's measured overhead (or the
 measured trial, planner/arms.py) says it is no slower. `PlanSearch` is a part of `Controller`
@@ -23,7 +24,7 @@ MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's
 class PlanSearch:
     """The plan search of `Controller`: it uses the controller's `costs`, `risk`, `runtime`, `arms`,
     `measure_baseline`, `memory_factor` and memory model (`predicted_peak`, `limit`, `activation_budget`,
-    `plan_seconds`, `gc_plan`, `hands_off_plans`, `_all`, `_as_run`)."""
+    `plan_seconds`, `gc_plan`, `gc_always_fits`, `hands_off_plans`, `_all`, `_as_run`)."""
 
     def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
                  exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
@@ -45,8 +46,9 @@ class PlanSearch:
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
         limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)
+        gc = self.gc_always_fits()
         fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
-                if self.predicted_peak(b, tokens) <= limit]
+                if b == gc or self.predicted_peak(b, tokens) <= limit]
         if not fits:
             return plan, False
         baseline = baselines[min(fits)[1]]
@@ -98,6 +100,9 @@ class PlanSearch:
                     surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
         bounds = [self.gc_plan(), self._all(RECOMPUTE)]
         fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
+        gc = self.gc_always_fits()
+        if gc is not None and gc not in fitting and self._allowed(gc, exclude):
+            fitting.append(gc)  # within a gc_ratio budget by definition (Controller.gc_always_fits), unrefined
         if not fitting:
             if exclude is not None or self.memory_factor >= 1.0:
                 raise failure or Infeasible("no plan fits the memory budget")
@@ -105,7 +110,7 @@ class PlanSearch:
             # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
             return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
         refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
-                   for p in fitting]
+                   for p in fitting if self.predicted_peak(p, tokens) <= limit]
         fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
         return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
 
