@@ -594,6 +594,11 @@ def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
     assert _applied(ctl, rt, 0) == rt.checkpoint_plan() and rt.hands_off
     ctl.arms.arm = "plan"
     assert _applied(ctl, rt, 0) == solved and not rt.hands_off  # each arm's plan cached apart
+    # once the trial chose the baseline, micro-batches plan it without solving (until the recheck)
+    ctl.arms.arm = ctl.arms.chosen = "baseline"
+    ctl._cache.clear()
+    ctl._solve = lambda *a, **k: pytest.fail("solved while the measured choice is the baseline")
+    assert _applied(ctl, rt, 0) == rt.checkpoint_plan() and rt.hands_off
 
 
 def test_a_measured_overshoot_never_rules_out_gc_under_a_gc_ratio_budget(tiny):

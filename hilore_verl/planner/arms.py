@@ -8,7 +8,8 @@ are not in it at all. So where a baseline fits the budget and the solver's plan 
 controller also measures the two in training: mini-batches run the solver's plans ("plan" arm) until
 TRIALS of them were timed, then the baseline ("baseline" arm) for as many, then the arm with the
 lower median seconds per trained token runs, and after RECHECK_EVERY mini-batches both are timed
-again (plans follow exposures and token counts). Both arms are updates the controller may make: the
+again (plans follow exposures and token counts). While the baseline is the choice, the controller
+plans it without running the solver (planner/search.py). Both arms are updates the controller may make: the
 baseline is exact, the plans within the risk budget. The session times each mini-batch (device
 clock, the slowest rank's, so every rank takes the same arm); a mini-batch whose plans all equal
 their baselines, the first (profiling), or one retried after a fault is not a sample.

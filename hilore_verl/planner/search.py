@@ -39,24 +39,31 @@ class PlanSearch:
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
         (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py)."""
+        if self.runtime is not None and self.measure_baseline and self.arms.chosen == "baseline":
+            # measured faster until the next recheck (planner/arms.py): no solve needed, where one fits
+            chosen = self._fitting_baseline(tokens, row)
+            if chosen is not None:
+                return chosen, True
         plan = self._solve(l2, tokens, allowance, row=row)
         if self.runtime is None:  # what-if planning: nothing runs
             return plan, False
         baselines = self.hands_off_plans()
         if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
             return plan, False
-        limit, seconds = self.limit(tokens if row is None else row), self.plan_seconds(plan, tokens)
-        gc = self.gc_always_fits()
-        fits = [(self.plan_seconds(b, tokens), i) for i, b in enumerate(baselines)
-                if b == gc or self.predicted_peak(b, tokens) <= limit]
-        if not fits:
+        baseline = self._fitting_baseline(tokens, row)
+        if baseline is None:
             return plan, False
-        baseline = baselines[min(fits)[1]]
-        if min(fits)[0] <= seconds + self.costs.runtime_overhead_s:  # the model already says: the baseline
-            return baseline, False
+        if self.plan_seconds(baseline, tokens) <= self.plan_seconds(plan, tokens) + self.costs.runtime_overhead_s:
+            return baseline, False  # the model already says: the baseline
         if not self.measure_baseline:
             return plan, False
         return (baseline if self.arms.arm == "baseline" else plan), True
+
+    def _fitting_baseline(self, tokens: int, row: int | None) -> dict[str, UnitPlan] | None:
+        """The fastest hands-off plan that fits (GC's always under a gc_ratio budget), or None."""
+        limit, gc = self.limit(tokens if row is None else row), self.gc_always_fits()
+        fits = [b for b in self.hands_off_plans() if b == gc or self.predicted_peak(b, tokens) <= limit]
+        return min(fits, key=lambda b: self.plan_seconds(b, tokens)) if fits else None
 
     def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
                row: int | None = None) -> dict[str, UnitPlan]:
