@@ -209,6 +209,6 @@ def test_the_audits_sums_read_gradients_in_place_in_bounded_memory():
         "print(added, bool(torch.allclose(sums, ref, rtol=1e-12)))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     added, equal = out.stdout.split()
-    bound = 3 * SUM_CHUNK * 8 + 8 * 2**20  # the chunks, and the resident size's own noise (HOST_NOISE_BYTES)
+    bound = 3 * SUM_CHUNK * 8 + 8 * 2**20  # the chunks, and 8 MiB for pages the interpreter touches
     assert float(added) <= bound, f"{float(added) / 2**20:.1f} MiB over the sums' bound {bound / 2**20:.1f} MiB"
     assert equal == "True"
