@@ -133,7 +133,7 @@ def _add_bench_planners(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--risk-budget", type=number(0.0, inclusive=True), default=0.01,
                        help="HiLoRe's risk budget, a finite number >= 0 (default 0.01)")
     bench.add_argument("--budget", type=bench_budget, default=1.10,
-                       help="the planners' memory budget: a ratio > 0 of GC's predicted peak, or no_gc (the "
+                       help="the planners' memory budget: a ratio >= 1 of GC's predicted peak, or no_gc (the "
                             "predicted peak of keeping every unit); default 1.10")
     bench.add_argument("--profile-tokens", type=non_negative_int, default=2048,
                        help="the planners' probe bound in tokens, as hilore.profile_tokens (also at most 1/8 of "
@@ -208,13 +208,15 @@ def number(low: float, inclusive: bool):
 
 
 def bench_budget(text: str) -> float | str:
-    """The bench's --budget: a ratio > 0 of GC's predicted peak, or no_gc."""
+    """The bench's --budget: a ratio >= 1 of GC's predicted peak (what hilore.budget accepts: every row,
+    the timed rounds and the fresh-process peaks, runs at it), or no_gc."""
     if text == "no_gc":
         return text
     try:
-        return number(0.0, inclusive=False)(text)
+        return number(1.0, inclusive=True)(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a ratio > 0 of GC's peak or no_gc, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a ratio >= 1 of GC's peak (a gc_ratio below 1 is below what "
+                                         f"GC itself needs) or no_gc, got {text!r}") from None
 
 
 def output_path(value: str) -> str:

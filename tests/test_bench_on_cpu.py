@@ -176,6 +176,24 @@ def test_cli_output_folders_are_created_before_the_run(tmp_path, monkeypatch):
     assert cli.main(argv) == 0 and seen == [[True, True, True, True]]
 
 
+def test_a_budget_no_row_could_run_at_is_refused_at_the_start(monkeypatch, capsys):
+    """--budget 0.8 once timed rounds under 1.10x and refused only the fresh-process peak rows: now the
+    parser refuses it in one line, and run_bench before any work; 1 and no_gc pass."""
+    from hilore_verl import cli
+    from hilore_verl.bench.run import run_bench
+
+    seen = []
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args.budget) or 0)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--budget", "0.8"])
+    assert stop.value.code == 2 and "expected a ratio >= 1 of GC's peak" in capsys.readouterr().err
+    assert cli.main(["bench", "--budget", "1"]) == 0 and cli.main(["bench", "--budget", "no_gc"]) == 0
+    assert seen == [1.0, "no_gc"]
+    monkeypatch.setattr("hilore_verl.bench.run.make_batch", lambda config: pytest.fail("work began"))
+    with pytest.raises(ValueError, match="gc_ratio below 1"):
+        run_bench(budget=0.8)
+
+
 def test_cli_stop_defaults_and_a_fixed_count(monkeypatch):
     from hilore_verl import cli
 

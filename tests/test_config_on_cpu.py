@@ -167,3 +167,27 @@ def test_the_runtime_settings_derive_from_the_section():
     config = HiLoReConfig.from_dict({"min_bytes": 4096, "seed": -7})
     assert config.runtime_config() == RuntimeConfig(min_bytes=4096, seed=-7)
     assert HiLoReConfig().runtime_config() == RuntimeConfig()  # the same defaults in both
+
+
+def test_every_command_line_option_is_documented_in_its_config_md_section():
+    """Each subcommand's flags (the parser itself, not a list kept beside it) against the rows of its
+    `## hilore-verl <command> options` section; doctor takes no option worth a table."""
+    import argparse
+    import pathlib
+    import re
+
+    from hilore_verl.cli import build_parser
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = {}
+    for command, parser in subparsers.choices.items():
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+        match = re.search(rf"^## `hilore-verl {command}` options\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+        if not flags:
+            continue
+        assert match, f"docs/config.md has no section for hilore-verl {command}"
+        absent = [f for f in flags if f"`{f}`" not in match.group(1)]
+        if absent:
+            missing[command] = absent
+    assert not missing, f"options without a row in their docs/config.md section: {missing}"

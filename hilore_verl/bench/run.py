@@ -68,7 +68,9 @@ class Progress:
 def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.METHODS, sweep: bool = True,
               peaks: bool = True, risk_budget: float = 0.01, budget: float | str = 1.10) -> dict:
     """`budget`: the planners' memory budget for their main rows, x GC's predicted peak, or "no_gc" (the
-    predicted peak of keeping every unit)."""
+    predicted peak of keeping every unit). A budget no row could run at is refused here, before any work."""
+    if budget != "no_gc":
+        BudgetConfig("gc_ratio", budget)  # ValueError below 1, as hilore.budget (and so the peak rows) refuses it
     batch = make_batch(config)
     tokens = tokens_of(batch)
     early = _refuse_unshaped_workload(config, methods, batch, peaks)
