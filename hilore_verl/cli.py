@@ -196,6 +196,8 @@ def _bench_outputs(args: argparse.Namespace, config, report: dict) -> int:
         print(f"hilore-verl bench: not every 95% interval reached +-{100 * config.target_ci:g}% "
               + ("before the time cap" if config.rounds is None else f"in {config.rounds} fixed rounds")
               + f": {reached} (ci_reached false in the JSON)")
+    if report.get("machine", {}).get("warning"):
+        print(f"hilore-verl bench: {report['machine']['warning']}", file=sys.stderr)
     if args.append:
         append_record(report, args.append, " ".join(["hilore-verl", *sys.argv[1:]]))
         print(f"appended to {args.append}")

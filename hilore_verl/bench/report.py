@@ -98,6 +98,22 @@ def _sweep_label(row: dict) -> str:
     return f"{row['method']} @ {row['budget']}" + (f" runner-up {row['candidate']}" if "candidate" in row else "")
 
 
+def _machine_lines(report: dict, rows: dict) -> list[str]:
+    """The machine's load during the run (bench/machine.py) and each method's per-round spread."""
+    lines = []
+    load = report.get("machine")
+    if load:
+        lines += ["", f"machine: {load['cpus']} cores; other processes {100 * load['other_cpu_share']:.1f}% of its CPU "
+                      f"time, this run {100 * load['own_cpu_share']:.1f}%; load average {load['load_avg_1m'][0]:.2f} -> "
+                      f"{load['load_avg_1m'][1]:.2f}" + ("" if load["quiet"] else f"; WARNING: {load['warning']}")]
+    spread = [f"{name} {100 * v['round_cv']:.1f}%" + (f" ({100 * v['round_cv_vs_gc']:.1f}% of its ratio to GC)"
+                                                     if "round_cv_vs_gc" in v else "")
+              for name, v in rows.items() if "round_cv" in v]
+    if spread:
+        lines += ["", "per-round spread of the step time (sd / mean): " + ", ".join(spread)]
+    return lines
+
+
 def table(report: dict) -> str:
     """The report in markdown."""
     r, s = report["methods"], report["summary"]
@@ -127,6 +143,7 @@ def table(report: dict) -> str:
                      + (f" = {100 * s['static_share_of_gc_peak']:.0f}% of GC's peak" if "static_share_of_gc_peak" in s else ""))
         lines.append("")
     lines += _summary_lines(s)
+    lines += _machine_lines(report, r)
     lines += ["", "paired rounds (every method once per round, the order rotated; stop: "
               + _rule(report["stop"]) + ")", "",
               "| set | rounds | widest 95% half-width | target reached | stopped by | seconds (cap) |", "|---|---|---|---|---|---|"]

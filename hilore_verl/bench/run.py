@@ -35,6 +35,7 @@ from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
 from hilore_verl.bench.stats import mean_ci, paired_ratio_ci
 from hilore_verl.bench.actor_update import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
+from hilore_verl.bench.machine import MachineLoad
 from hilore_verl.planner import BudgetConfig, Controller
 from hilore_verl.runtime import KEEP, UnitPlan
 
@@ -71,6 +72,8 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     predicted peak of keeping every unit). A budget no row could run at is refused here, before any work."""
     if budget != "no_gc":
         BudgetConfig("gc_ratio", budget)  # ValueError below 1, as hilore.budget (and so the peak rows) refuses it
+    load = MachineLoad()
+    load.start()
     batch = make_batch(config)
     tokens = tokens_of(batch)
     early = _refuse_unshaped_workload(config, methods, batch, peaks)
@@ -85,7 +88,9 @@ def run_bench(config: BenchConfig = BenchConfig(), methods: tuple[str, ...] = M.
     sweep_rows = _sweep_rows(timer, sets[1:], tokens)
     if peaks:
         _peaks(config, methods, built, results, early, progress)
-    return _report(config, budget, batch, tokens, rule, sets, built, results, sweep_rows)
+    report = _report(config, budget, batch, tokens, rule, sets, built, results, sweep_rows)
+    report["machine"] = load.stop()
+    return report
 
 
 def _refuse_unshaped_workload(config: BenchConfig, methods, batch, peaks: bool) -> dict[str, dict]:
@@ -316,6 +321,11 @@ def _timed_row(times: dict, key, tokens: int, widths: dict) -> dict:
     row = {"step_s": statistics.median(steps), "measured_step_s": statistics.fmean(steps), "tokens_per_s": mean,
            "tokens_per_s_ci": [low, high], "step_times_s": steps, "rounds": len(steps),
            "ci_half_width": widths.get(key, 0.0)}
+    if len(steps) > 1:  # the rounds' spread: of the step time, and of its ratio to GC's in the same round
+        row["round_cv"] = statistics.stdev(steps) / statistics.fmean(steps)
+        if "gc" in times and key != "gc":
+            ratios = [s / g for s, g in zip(steps, times["gc"])]
+            row["round_cv_vs_gc"] = statistics.stdev(ratios) / statistics.fmean(ratios)
     for base in ("gc", "no_gc"):  # throughput over the baseline's, round by round
         if base in times:
             row[f"x_{base}"] = list(paired_ratio_ci(times[base], steps))
