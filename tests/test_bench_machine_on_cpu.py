@@ -53,8 +53,8 @@ def test_the_report_says_the_load_and_each_methods_spread():
 
     load = {"cpus": 2, "other_cpu_share": 0.3, "own_cpu_share": 0.6, "load_avg_1m": [1.0, 2.9], "quiet": False}
     load["warning"] = warning(load)
-    rows = {"gc": {"round_cv": 0.02}, "hilore": {"round_cv": 0.05, "round_cv_vs_gc": 0.04}, "no_gc": {"status": "failed"}}
+    rows = {"gc": {"round_cv": 0.02}, "hilore": {"round_cv": 0.05, "round_cv_vs_gc": 0.04, "distinct_plans": 3}, "no_gc": {"status": "failed"}}
     text = "\n".join(_machine_lines({"machine": load}, rows))
     assert "other processes 30.0%" in text and "WARNING: other processes took 30%" in text
-    assert "gc 2.0%" in text and "hilore 5.0% (4.0% of its ratio to GC)" in text
+    assert "gc 2.0%" in text and "hilore 5.0% (4.0% of its ratio to GC), 3 different plans over its steps" in text
     assert "WARNING" not in "\n".join(_machine_lines({"machine": {**load, "quiet": True, "warning": None}}, {}))

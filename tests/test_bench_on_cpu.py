@@ -3,6 +3,7 @@ GPU), exact methods give the exact gradient, lossy ones stay within bounds, the 
 
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,12 @@ def test_report_outputs(report, tmp_path):
     for row in [saved["methods"]["keep_recompute"], saved["methods"]["hilore"], *saved["sweep"]]:
         assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0 and row["predicted_peak_bytes"] > 0, row
     assert "predicted_step_s" not in saved["methods"]["gc"]
+    # how quiet the machine was, and how many plans each planned row ran over its steps
+    load = saved["machine"]
+    assert load["cpus"] >= 1 and 0 < load["own_cpu_share"] and 0 <= load["other_cpu_share"] and len(load["load_avg_1m"]) == 2
+    assert "machine: " in text and (load["quiet"] or "WARNING: other processes took" in text)
+    for row in [saved["methods"]["keep_recompute"], saved["methods"]["hilore"], *saved["sweep"]]:
+        assert row["distinct_plans"] >= 1, row
     assert saved["stop"]["fixed"] == 1 and saved["ci_reached"] is False  # one round: no interval
     assert [s["label"] for s in saved["rounds"]] == ["methods", "budget 1.0", "budget 1.1", "budget 1.25",
                                                       "budget 1.5", "budget no_gc"]
@@ -108,9 +115,13 @@ def test_a_model_directory_replaces_the_default_shape(tmp_path):
 
     model_dir = save_tiny_model(tmp_path / "llama", "llama", seed=1)
     config = BenchConfig(model=model_dir, vocab_size=512, num_groups=1, group_size=4, max_response_len=32, rounds=1)
-    report = run_bench(config, methods=("no_gc", "gc"), sweep=False, peaks=False)
+    report = run_bench(dataclasses.replace(config, rounds=3), methods=("no_gc", "gc"), sweep=False, peaks=False)
     assert report["methods"]["gc"]["status"] == "ok" and report["methods"]["gc"]["grad_rel_error"] == 0.0
     assert report["config"]["model"] == model_dir
+    no_gc = report["methods"]["no_gc"]  # three rounds: the spread of its steps and of its ratio to GC's
+    steps = no_gc["step_times_s"]
+    assert no_gc["round_cv"] == pytest.approx(statistics.stdev(steps) / statistics.fmean(steps))
+    assert no_gc["round_cv_vs_gc"] >= 0 and "round_cv_vs_gc" not in report["methods"]["gc"]
 
 
 def test_a_failing_method_is_marked_and_the_others_still_report(monkeypatch):

@@ -200,7 +200,8 @@ def _method_rows(built: dict[str, M.Method], timer: _Timer, main, tokens: int, r
                                  predicted_step_s=statistics.fmean(timer.predicted[name]),
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
-                                 controller_share=sum(timer.session_s[name]) / sum(main.times[name]))
+                                 controller_share=sum(timer.session_s[name]) / sum(main.times[name]),
+                                 distinct_plans=len(set(timer.plans[name])))
 
 
 def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
@@ -215,7 +216,8 @@ def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
             row = {"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
                    **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
                    "predicted_step_s": statistics.fmean(timer.predicted[key]),
-                   "ci_reached": st.reached, "plan_counts": plan_counts(last.plan)}
+                   "ci_reached": st.reached, "plan_counts": plan_counts(last.plan),
+                   "distinct_plans": len(set(timer.plans[key]))}
             if len(key) > 2:  # a runner-up of HiLoRe's plan at this budget
                 row.update(candidate=key[2], plan=_spelled(last.plan))
             else:
@@ -287,12 +289,13 @@ class _Timer:
         self.computed = {n: m.layer_tokens(batch) for n, m in built.items() if m.controller is not None}
         self.session_s: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
+        self.plans: dict = {k: [] for k in [*built, *variants]}  # each step's last plan, spelled
 
     def add(self, key: tuple, controller: Controller) -> None:
         """Another (planner, budget, ...) key, stepped with `controller`."""
         self.variants[key] = controller
         self.sessions[key] = self.built[key[0]].session_with(controller)
-        self.session_s[key], self.predicted[key] = [], []
+        self.session_s[key], self.predicted[key], self.plans[key] = [], [], []
 
     def step(self, key) -> float:
         name = key[0] if isinstance(key, tuple) else key
@@ -310,6 +313,7 @@ class _Timer:
         if c is not None:
             self.session_s[key].append(method.session_s[-1])
             self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[method.name]))
+            self.plans[key].append(_spelled(c.history[-1].plan))
         return seconds
 
 
