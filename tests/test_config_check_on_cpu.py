@@ -155,3 +155,14 @@ def test_verls_balance_keeps_each_group_on_one_rank_under_use_prefix_grouper():
         assert all(len(set(part[i:i + n])) == 1 for i in range(0, len(part), n))
     spread = ranks_of(False)
     assert any((part == u).sum() < n for part in spread for u in set(part))  # stock balance splits groups
+
+
+def test_main_ppo_prints_the_note_once_before_it_validates():
+    """The wiring: the note comes from verl's own trainer, once, before the config's own check (a bad key
+    here, so the run stops before Ray)."""
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
+           "actor_rollout_ref.actor.hilore.enable=true", "actor_rollout_ref.actor.use_prefix_grouper=false",
+           "actor_rollout_ref.actor.hilore.risk_budget=-1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl: note: ")]
+    assert proc.returncode == 2 and len(notes) == 1 and "use_prefix_grouper=true" in notes[0], proc.stderr[-3000:]

@@ -313,7 +313,7 @@ class _Timer:
         if c is not None:
             self.session_s[key].append(method.session_s[-1])
             self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[method.name]))
-            self.plans[key].append(_spelled(c.history[-1].plan))
+            self.plans[key].append(tuple(sorted(_spelled(c.history[-1].plan).items())))
         return seconds
 
 
