@@ -18,7 +18,8 @@ pages touched once): on the CPU an overshoot within `HOST_NOISE_BYTES` is not ta
 model's error (`PeakMeter.noise_bytes`; `DEVICE_NOISE_BYTES` on CUDA). Measured here (glibc, torch
 2.13): a fresh process's 24 MiB of float64 chunks read 24-27 MiB, and 64-67 MiB in about one run of
 three when the chunks came from and went back to malloc's heap (its mmap threshold moves as blocks are
-freed); the demo's model read 0.03-0.09 GiB for one predicted 0.06 from one mini-batch to the next.
+freed); the demo's model, one rank in-process, read 0.068-0.103 GiB from one mini-batch to the next
+for a plan predicted at 0.059-0.062 GiB.
 
 Where neither is available (another OS, /proc not writable) `PeakMeter.available` is False with the
 reason, and the session plans without the feedback (and says so once).
