@@ -117,15 +117,18 @@ def test_the_shared_prompt_note_names_verls_balance_over_ranks():
 
     assert "use_prefix_grouper=true" in shared_prompt_note(config())  # verl's default balance_batch: true
     assert shared_prompt_note(config(actor={"use_prefix_grouper": True})) is None
-    assert shared_prompt_note(config(balance_batch=False)) is None
+    assert "use_prefix_grouper=true" in shared_prompt_note(config(balance_batch=False))  # v1 reads no balance_batch
+    assert shared_prompt_note(config(balance_batch=False, use_v1=False)) is None  # the legacy trainer does
+    assert "balance_batch=false" in shared_prompt_note(config(use_v1=False))
     assert shared_prompt_note(config(ranks=1)) is None and shared_prompt_note(config(n=1)) is None
     assert shared_prompt_note(config({"shared_prompt": False})) is None
     assert shared_prompt_note(config({"enable": False})) is None
 
 
-def test_verls_balance_keeps_each_group_on_one_rank_under_use_prefix_grouper():
-    """What the recipes rely on (verl 0.9.1's `_balance_batch`): with the flag every prompt's responses land
-    on one rank, in their order; without it they spread over the ranks."""
+def test_verls_legacy_balance_keeps_each_group_on_one_rank_under_use_prefix_grouper():
+    """What the recipes rely on under `trainer.use_v1=false` (verl 0.9.1's legacy `_balance_batch`): with the
+    flag every prompt's responses land on one rank, in their order; without it they spread over the ranks.
+    The v1 trainer: tests/test_group_balance_on_cpu.py."""
     from types import SimpleNamespace
 
     import numpy as np

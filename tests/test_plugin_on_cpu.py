@@ -42,7 +42,7 @@ def _report(code=REPORT, env=None):
 
 ON_CPU = {"loaded": True, "error": None,
           "registered": ["platform:cpu", "attention:hilore_packed_sdpa", "cpu:process-group", "cpu:fsdp-engines", "cpu:offload-without-pinning",
-                         "cpu:ray-resources", "cpu:rollout-hf", "config:one-line-errors"],
+                         "cpu:ray-resources", "cpu:rollout-hf", "config:one-line-errors", "trainer:prefix-groups"],
           "device": "cpu", "platform": "PlatformCPU", "backend": "gloo"}
 
 

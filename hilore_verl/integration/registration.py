@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hilore_verl.integration.actor import config_check
+from hilore_verl.integration.actor import config_check, group_balance
 from hilore_verl.integration.cpu_host import packed_attention, workers
 
 CPU_PLATFORM_MODULE = "hilore_verl.integration.cpu_host.platform"
@@ -21,4 +21,5 @@ def register_all() -> list[str]:
         from hilore_verl.integration.cpu_host.platform import register_cpu_platform
 
         register_cpu_platform()
-    return ["platform:cpu", f"attention:{packed_attention.register()}", *workers.install(), *config_check.install()]
+    return ["platform:cpu", f"attention:{packed_attention.register()}", *workers.install(), *config_check.install(),
+            *group_balance.install()]

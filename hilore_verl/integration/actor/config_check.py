@@ -17,9 +17,10 @@ Two host checks run there too, for what would otherwise fail late or not at all:
   units, and one more to schedule the remaining actors. Ray would wait for them forever.
 
 And one note, printed once without stopping: with the shared prompt on over several data-parallel ranks,
-verl's `trainer.balance_batch` (on by default) spreads each prompt's responses over the ranks unless
-`actor.use_prefix_grouper` is set (in verl 0.9.1 that flag only balances whole groups); the shared
-prompt then finds few prompts to compute once (`shared_prompt_note`).
+verl balances single sequences over the ranks (its v1 trainer always; the legacy one under
+`trainer.balance_batch`, on by default), so each prompt's responses spread over them and the shared
+prompt finds few prompts to compute once, unless `actor.use_prefix_grouper` is set: then whole groups
+are balanced (group_balance.py for the v1 trainer; verl itself for the legacy one) (`shared_prompt_note`).
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def shared_prompt_note(config) -> str | None:
     ranks = int(trainer.get("n_gpus_per_node", 1)) * int(trainer.get("nnodes", 1))
     if not (hilore.get("enable", False) and hilore.get("shared_prompt", True)) or ranks < 2:
         return None
-    if not trainer.get("balance_batch", True) or actor.get("use_prefix_grouper", False):
+    if actor.get("use_prefix_grouper", False) or int(config.actor_rollout_ref.rollout.get("n", 1)) < 2:
         return None
-    if int(config.actor_rollout_ref.rollout.get("n", 1)) < 2:
+    legacy = not trainer.get("use_v1", True)
+    if legacy and not trainer.get("balance_batch", True):
         return None
-    return ("trainer.balance_batch spreads each prompt's responses over the ranks, so the shared prompt "
-            "computes few prompts once; set actor_rollout_ref.actor.use_prefix_grouper=true (verl 0.9.1 then "
-            "balances whole groups; the recipes in recipes/grpo do) or trainer.balance_batch=false")
+    return ("verl balances single sequences over the ranks, so each prompt's responses spread over them and the "
+            "shared prompt computes few prompts once; set actor_rollout_ref.actor.use_prefix_grouper=true (whole "
+            "groups are then balanced; the recipes in recipes/grpo do)"
+            + (" or trainer.balance_batch=false" if legacy else ""))
 
 
 def _wrap(module) -> None:
