@@ -552,6 +552,27 @@ def test_a_gain_below_the_runtimes_overhead_runs_hf_checkpointing_hands_off(tiny
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
 
 
+def test_an_overhead_the_probe_could_not_measure_leaves_the_choice_to_the_measured_trial():
+    """runtime_overhead_s == 0 (the hooks' cost within the probe's noise) is no verdict: the solver's plans
+    and the hands-off baseline are still timed in training and the faster runs (planner/arms.py)."""
+    import dataclasses
+
+    from hilore_verl.planner.arms import TRIALS
+
+    model, rt, run, tokens = _checkpointed_tiny()
+    costs = dataclasses.replace(profile(rt, run, tokens, element_size=4), runtime_overhead_s=0.0)
+    ctl = Controller(rt, costs, None, ROOMY)
+    checkpoint = rt.checkpoint_plan()
+    arms = []
+    for i in range(2 * TRIALS + 1):  # the plans 3x at 2 s per token, the baseline 3x at 1 s: the baseline wins
+        ctl.begin_mini_batch([1.0], [tokens], seconds_per_token=None if i == 0 else (2.0 if i <= TRIALS else 1.0))
+        plan = _applied(ctl, rt, 0)
+        arms.append((ctl.arms.arm, plan == checkpoint, rt.hands_off))
+    assert arms[0] == ("plan", False, False) and ctl.arms.informative
+    assert arms[TRIALS] == ("baseline", True, True)
+    assert ctl.arms.chosen == "baseline" and arms[-1] == ("baseline", True, True)
+
+
 def _applied(ctl, rt, index):
     """Plan micro-batch `index` and apply it as the session does (session.py `before_forward`)."""
     plan = ctl.plan_micro_batch(index)

@@ -38,7 +38,8 @@ class PlanSearch:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
-        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py)."""
+        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py).
+        An overhead of 0 (none measured, or within the probe's noise) leaves the choice to the trial."""
         if self.runtime is not None and self.measure_baseline and self.arms.chosen == "baseline":
             # measured faster until the next recheck (planner/arms.py): no solve needed, where one fits
             chosen = self._fitting_baseline(tokens, row)
@@ -47,13 +48,13 @@ class PlanSearch:
         plan = self._solve(l2, tokens, allowance, row=row)
         if self.runtime is None:  # what-if planning: nothing runs
             return plan, False
-        baselines = self.hands_off_plans()
-        if plan in baselines or self.costs.runtime_overhead_s <= 0:  # nothing measured to weigh the hooks by
+        if plan in self.hands_off_plans():
             return plan, False
         baseline = self._fitting_baseline(tokens, row)
         if baseline is None:
             return plan, False
-        if self.plan_seconds(baseline, tokens) <= self.plan_seconds(plan, tokens) + self.costs.runtime_overhead_s:
+        overhead = self.costs.runtime_overhead_s  # 0: not measured (no hands-off plan on the probe), or noise
+        if overhead > 0 and self.plan_seconds(baseline, tokens) <= self.plan_seconds(plan, tokens) + overhead:
             return baseline, False  # the model already says: the baseline
         if not self.measure_baseline:
             return plan, False
