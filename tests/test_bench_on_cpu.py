@@ -95,6 +95,8 @@ def test_report_outputs(report, tmp_path):
     assert "machine: " in text and (load["quiet"] or "WARNING: other processes took" in text)
     for row in [saved["methods"]["keep_recompute"], saved["methods"]["hilore"], *saved["sweep"]]:
         assert row["distinct_plans"] >= 1, row
+        # timed after the measured trial chose (or with none to run): its arms are not mixed in the rounds
+        assert row["arm"] == "no trial" or row["plan_over_baseline"] > 0, row
     assert saved["stop"]["fixed"] == 1 and saved["ci_reached"] is False  # one round: no interval
     assert [s["label"] for s in saved["rounds"]] == ["methods", "budget 1.0", "budget 1.1", "budget 1.25",
                                                       "budget 1.5", "budget no_gc"]

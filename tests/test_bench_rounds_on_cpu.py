@@ -138,3 +138,28 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
     for row in report["sweep"]:
         assert row["ci_reached"] == (row["budget"] != 1.5) and len(row["step_times_s"]) == row["rounds"]
         assert row["x_gc"][1] <= row["x_gc"][0] <= row["x_gc"][2] and row["predicted_step_s"] > 0
+
+
+def test_keys_not_settled_step_untimed_until_they_are_or_the_cap():
+    """A planner whose measured trial alternates arms (planner/arms.py) is stepped, untimed, until it has
+    chosen: the timed rounds see the plans a run keeps."""
+    calls = []
+    arms = {"gc": ["steady"], "hilore": ["plan"] * 3 + ["baseline"] * 3 + ["chosen"], "stuck": ["plan"] * 100}
+
+    def arm(key):
+        return arms[key][min(calls.count(key), len(arms[key]) - 1)]
+
+    def step(key):
+        calls.append(key)
+        return 2.0 if arm(key) in ("plan", "baseline") else 1.0  # what the last step ran
+
+    def settled(key):
+        return arm(key) in ("steady", "chosen")
+
+    rule = StopRule(fixed=3, warmup=1, settle_max=8)
+    result = run_rounds("methods", ["gc", "hilore", "stuck"], step, rule, 1e6, log=lambda line: None, settled=settled)
+    assert result.settle_steps == {"hilore": 5, "stuck": 8}  # after the warm-up round; the cap for "stuck"
+    assert result.times["hilore"] == [1.0] * 3 and result.times["gc"] == [1.0] * 3
+    assert result.to_dict()["settle_steps"] == {"hilore": 5, "stuck": 8}
+    with pytest.raises(ValueError):
+        StopRule(settle_max=-1)

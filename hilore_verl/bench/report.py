@@ -108,7 +108,9 @@ def _machine_lines(report: dict, rows: dict) -> list[str]:
                       f"{load['load_avg_1m'][1]:.2f}" + ("" if load["quiet"] else f"; WARNING: {load['warning']}")]
     spread = [f"{name} {100 * v['round_cv']:.1f}%" + (f" ({100 * v['round_cv_vs_gc']:.1f}% of its ratio to GC)"
                                                      if "round_cv_vs_gc" in v else "")
-              + (f", {v['distinct_plans']} different plans over its steps" if v.get("distinct_plans", 1) > 1 else "")
+              + (f", {v['distinct_plans']} different plans over its timed steps" if v.get("distinct_plans", 1) > 1 else "")
+              + (f", the measured trial's arm: {v['arm']}" + (f" (plans / baseline {v['plan_over_baseline']:.3f})"
+                                                                if v.get("plan_over_baseline") else "") if "arm" in v else "")
               for name, v in rows.items() if "round_cv" in v]
     if spread:
         lines += ["", "per-round spread of the step time (sd / mean): " + ", ".join(spread)]

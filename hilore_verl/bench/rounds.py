@@ -3,6 +3,9 @@
 A paired set is a list of keys (methods, or a planner at one sweep budget) stepped once each per
 round, the order rotated; the first `warmup` rounds are run and not timed (the first round after
 other work ran 25-70% slower than the rest on the CPU: its steps touch memory the others released).
+Then each key not yet `settled` (a planner whose measured trial of its plans against the hands-off
+baseline has not chosen, planner/arms.py) is stepped, untimed, until it is or `settle_max` steps ran:
+the timed rounds measure the plans a run keeps, not the trial's alternation between two arms.
 After every timed round the set's widest interval is taken: for every key but
 the baseline (GC), the 95% interval of its throughput over the baseline's (paired ratios,
 stats.py), its half-width relative to the ratio; without a baseline in the set, each key's own
@@ -19,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
 from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated
@@ -38,9 +41,11 @@ class StopRule:
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
+    settle_max: int = 8
+    """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`)."""
 
     def __post_init__(self):
-        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or self.warmup < 0 or (
+        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or self.warmup < 0 or self.settle_max < 0 or (
                 self.fixed is not None and self.fixed < 1):
             raise ValueError(f"bad stop rule {self}")
 
@@ -59,10 +64,13 @@ class RoundSet:
     elapsed_s: float = 0.0
     cap_s: float | None = None
     """The set's time cap (None: a fixed count of rounds)."""
+    settle_steps: dict = field(default_factory=dict)
+    """Untimed steps a key ran after the warm-up until it settled (keys that needed none: absent)."""
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "times"}
         d["widest"] = key_name(self.widest) if self.widest is not None else None
+        d["settle_steps"] = {key_name(k): v for k, v in self.settle_steps.items()}
         return d
 
 
@@ -107,12 +115,19 @@ def _stderr(line: str) -> None:
 
 def run_rounds(label: str, keys: list, step: Callable[[Hashable], float], rule: StopRule, cap_s: float,
                baseline: Hashable = "gc", log: Callable[[str], None] = _stderr,
-               clock: Callable[[], float] = time.perf_counter) -> RoundSet:
+               clock: Callable[[], float] = time.perf_counter,
+               settled: Callable[[Hashable], bool] = lambda key: True) -> RoundSet:
     """Round after round of `step(key)` (seconds of one timed step) over `keys` until `rule` stops them."""
     result = RoundSet(label, {k: [] for k in keys}, cap_s=None if rule.fixed is not None else cap_s)
     for r in range(rule.warmup if keys else 0):
         for key in rotated(list(keys), r):
             step(key)
+    for key in keys:
+        for _ in range(rule.settle_max):
+            if settled(key):
+                break
+            step(key)
+            result.settle_steps[key] = result.settle_steps.get(key, 0) + 1
     start, logged = clock(), 0.0
     while keys:
         for key in rotated(list(keys), result.rounds):

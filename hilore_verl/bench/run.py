@@ -179,10 +179,11 @@ def _paired_rounds(built: dict[str, M.Method], timer: _Timer, rule: StopRule, pr
     `rule` within its share of the time cap. The first set is the methods'."""
     ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in timer.variants)]
     main_cap, sweep_cap = caps(rule.time_cap_s, len(ratios))
-    sets = [run_rounds("methods", list(built), timer.step, rule, main_cap, log=progress.line)]
+    sets = [run_rounds("methods", list(built), timer.step, rule, main_cap, log=progress.line, settled=timer.settled)]
     for ratio in ratios:  # each budget its own paired rounds, with GC's steps as their baseline
         keys = ["gc"] * ("gc" in built) + [k for k in timer.variants if k[1] == ratio]
-        sets.append(run_rounds(f"budget {ratio}", keys, timer.step, rule, sweep_cap, log=progress.line))
+        sets.append(run_rounds(f"budget {ratio}", keys, timer.step, rule, sweep_cap, log=progress.line,
+                               settled=timer.settled))
     return sets
 
 
@@ -197,11 +198,9 @@ def _method_rows(built: dict[str, M.Method], timer: _Timer, main, tokens: int, r
         if method.controller is not None:
             c, trained = method.controller, timer.trained[name]  # budgets at what it forwards
             results[name].update(plan=_spelled(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
-                                 predicted_step_s=statistics.fmean(timer.predicted[name]),
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
-                                 controller_share=sum(timer.session_s[name]) / sum(main.times[name]),
-                                 distinct_plans=len(set(timer.plans[name])))
+                                 **timer.timed(name, main.times[name]), **timer.trial(name))
 
 
 def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
@@ -215,9 +214,8 @@ def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
             last = controller.history[-1]
             row = {"method": key[0], "budget": key[1], "budget_bytes": controller.memory_budget_at(trained),
                    **_timed_row(st.times, key, tokens, widths), "predicted_peak_bytes": last.predicted_peak,
-                   "predicted_step_s": statistics.fmean(timer.predicted[key]),
                    "ci_reached": st.reached, "plan_counts": plan_counts(last.plan),
-                   "distinct_plans": len(set(timer.plans[key]))}
+                   **timer.timed(key, st.times[key]), **timer.trial(key)}
             if len(key) > 2:  # a runner-up of HiLoRe's plan at this budget
                 row.update(candidate=key[2], plan=_spelled(last.plan))
             else:
@@ -290,6 +288,31 @@ class _Timer:
         self.session_s: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
         self.plans: dict = {k: [] for k in [*built, *variants]}  # each step's last plan, spelled
+
+    def controller(self, key) -> Controller | None:
+        return self.variants[key] if isinstance(key, tuple) else self.built[key].controller
+
+    def settled(self, key) -> bool:
+        """Whether later identical steps of `key` run its last step's plans: no planner, its measured trial
+        decided (planner/arms.py), or none runs (its last step had no plan other than the baseline)."""
+        c = self.controller(key)
+        return c is None or c.arms.chosen is not None or not c.arms.informative
+
+    def timed(self, key, times: list[float]) -> dict:
+        """A planned key's figures over its timed rounds (the last len(times) steps it ran): the cost model's
+        mean step time, the session's share of the step, how many different plans ran."""
+        n = len(times)
+        return {"predicted_step_s": statistics.fmean(self.predicted[key][-n:]),
+                "controller_share": sum(self.session_s[key][-n:]) / sum(times),
+                "distinct_plans": len(set(self.plans[key][-n:]))}
+
+    def trial(self, key) -> dict:
+        """The measured trial's outcome for a row: the arm its timed rounds ran and plans / baseline time."""
+        c = self.controller(key)
+        if c is None:
+            return {}
+        return {"arm": c.arms.chosen or ("plan" if c.arms.informative else "no trial"),
+                "plan_over_baseline": c.arms.ratio()}
 
     def add(self, key: tuple, controller: Controller) -> None:
         """Another (planner, budget, ...) key, stepped with `controller`."""
