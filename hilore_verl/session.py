@@ -122,7 +122,7 @@ class Session:
         self._micro_index = 0
         self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
         self._clock: DeviceClock | None = None
-        self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark, tokens), read at the next
+        self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark), read at the next
         self._measured_now = False  # build_controller probed (rather than restored) at this call
         self._stepped = None  # this mini-batch's optimizer step, done: its snapshot (False: none was taken)
 
@@ -225,7 +225,7 @@ class Session:
         start = clock.mark()
         out = self._train_with_retries(step)
         # timed for the measured choice of arm (planner/arms.py): not the first (profiling), nor a retried one
-        self._timed = None if first or self.retries else (start, clock.mark(), self._layer_tokens)
+        self._timed = None if first or self.retries else (start, clock.mark())
         peak = self._measured_peak()
         if not first and not self.retries:  # the first ran the probes; a retry's includes the failed attempt
             self.controller.end_mini_batch(peak, self._meter().noise_bytes)
@@ -273,19 +273,18 @@ class Session:
             raise ValueError("data-parallel ranks disagree on the number of micro-batches; "
                              "verl splits them with same_micro_num_in_dp=True")
         exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
-        timed, self._timed = self._timed, None
-        seconds = -1.0 if timed is None else self._device_clock().seconds(timed[0], timed[1]) / max(timed[2], 1)
+        last, self._timed = self._timed, None  # the last mini-batch's (start, end), if timed
+        seconds = -1.0 if last is None else self._device_clock().seconds(last[0], last[1])
         layers = [self.passes.layer_tokens(mb) for mb in micro_batches]
-        self._layer_tokens = sum(layers)  # what the step computes, for its time per token
         rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
                                        + [float(t) for t in layers] + [seconds])
         squares = [sum(col) for col in zip(*(row[:n] for row in rows))]
         counts = [max(col) for col in zip(*(row[n:2 * n] for row in rows))]
         computed = [max(col) for col in zip(*(row[2 * n:3 * n] for row in rows))]
-        per_token = [row[3 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
+        whole = [row[3 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
         self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in computed],
-                                         seconds_per_token=max(per_token) if min(per_token) > 0 else None,
-                                         row_tokens=[int(t) for t in counts])
+                                         row_tokens=[int(t) for t in counts],
+                                         seconds=max(whole) if min(whole) > 0 else None)
 
     def _meter(self) -> PeakMeter:
         if self.peak_meter is None:

@@ -564,12 +564,12 @@ def test_an_overhead_the_probe_could_not_measure_leaves_the_choice_to_the_measur
     ctl = Controller(rt, costs, None, ROOMY)
     checkpoint = rt.checkpoint_plan()
     arms = []
-    for i in range(2 * TRIALS + 1):  # the plans 3x at 2 s per token, the baseline 3x at 1 s: the baseline wins
-        ctl.begin_mini_batch([1.0], [tokens], seconds_per_token=None if i == 0 else (2.0 if i <= TRIALS else 1.0))
+    for i in range(2 * TRIALS + 1):  # the plans 3x at 2 s, the baseline 3x at 1 s: the baseline wins
+        ctl.begin_mini_batch([1.0], [tokens], seconds=None if i == 0 else (2.0 if arms[-1][0] == "plan" else 1.0))
         plan = _applied(ctl, rt, 0)
         arms.append((ctl.arms.arm, plan == checkpoint, rt.hands_off))
     assert arms[0] == ("plan", False, False) and ctl.arms.informative
-    assert arms[TRIALS] == ("baseline", True, True)
+    assert arms[1] == ("baseline", True, True)  # plan, baseline, baseline, plan, ... (planner/arms.py)
     assert ctl.arms.chosen == "baseline" and arms[-1] == ("baseline", True, True)
 
 
@@ -581,11 +581,12 @@ def _applied(ctl, rt, index):
 
 
 def test_the_arm_that_runs_is_the_one_measured_faster():
-    """Where the solver's plan differs from a hands-off baseline that fits, mini-batches run the solver's
-    plans for TRIALS timed ones, then the baseline for as many, then the faster arm (by the session's
-    measured seconds per token); a mini-batch with nothing to choose is not a sample."""
+    """Where the solver's plan differs from a hands-off baseline that fits, timed mini-batches alternate
+    plan, baseline, baseline, plan, ... until each arm has TRIALS, then the faster arm runs (by the measured
+    time over the mini-batch's size); a mini-batch with nothing to choose is not a sample."""
     from hilore_verl.planner.arms import TRIALS, ArmTrial
 
+    assert TRIALS == 3
     arms = ArmTrial(recheck_every=4)
     ran = []
     times = {"plan": 2.0, "baseline": 1.0}  # the baseline measures faster
@@ -596,10 +597,26 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
         chosen.append((arms.chosen, arms.ratio(), arms.metrics()["hilore/arm/baseline"]))
         arms.informative = i != 1  # mini-batch 1 had nothing to choose: no sample
         last = times[arms.arm]
-    assert ran[:2 * TRIALS + 1] == ["plan"] * (TRIALS + 1) + ["baseline"] * TRIALS
-    assert chosen[2 * TRIALS + 1] == ("baseline", 2.0, 1.0)  # plans 2x the baseline's seconds per token
+    # samples plan, baseline, baseline, plan, plan, baseline; mini-batch 1 (baseline, not a sample) runs again
+    assert ran[:2 * TRIALS + 1] == ["plan", "baseline", "baseline", "baseline", "plan", "plan", "baseline"]
+    assert chosen[2 * TRIALS + 1] == ("baseline", 2.0, 1.0)  # plans 2x the baseline's relative time
     assert ran[2 * TRIALS + 1:2 * TRIALS + 5] == ["baseline"] * 4  # until the recheck ...
     assert ran[2 * TRIALS + 5] == "plan" and arms.chosen is None  # ... which times both again
+
+
+def test_the_trial_compares_mini_batches_of_different_sizes_by_the_modelled_time_of_gcs_plan():
+    """The controller hands the trial each mini-batch's seconds over the cost model's seconds for GC's plan on
+    the same micro-batches: a mini-batch twice the tokens measured twice the time is no slower."""
+    _, rt, run, tokens = _checkpointed_tiny()
+    ctl = Controller(rt, profile(rt, run, tokens, element_size=4), None, ROOMY)
+    gc = ctl.gc_plan()
+    seen = []
+    ctl.arms.record = seen.append  # what the trial is handed at each mini-batch's start
+    for size in (1, 2, 1):
+        ctl.begin_mini_batch([1.0] * size, [tokens] * size, seconds=None if not seen else 0.5 * len(last))
+        last = [ctl.plan_micro_batch(i) for i in range(size)]
+    modelled = ctl.costs.pass_seconds(gc, tokens)
+    assert seen[0] is None and seen[1] == pytest.approx(0.5 / modelled) and seen[2] == pytest.approx(seen[1])
 
 
 def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):

@@ -153,6 +153,10 @@ def test_keep_and_recompute_plans_update_bitwise_as_plain_pytorch(counted_profil
         plain_train(_micro_batches(step))
         assert metrics["hilore/oom_retries"] == 0.0 and "hilore/plan/predicted_peak_gib" in metrics
     assert counted_profiles == [1] and session.step == 3
+    # steps 2 and 3 were timed (not the first, which profiled): the second's time reached the step-time scale
+    # at the third's start, as measured / modelled for the plans it ran (planner/step_time.py)
+    assert len(session.controller.step_time.ratios) == 1 and session.controller.step_time.ratios[0] > 0
+    assert metrics["hilore/plan/step_time_scale"] == session.controller.step_time.ratios[0]
     modes = {m for record in session.controller.history for m in record.plan.values()}
     assert modes == {"keep", "recompute"}, modes  # a mix: neither GC's plan nor no GC's
     assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(plain)))

@@ -158,12 +158,15 @@ def table(report: dict) -> str:
     predicted = _predicted_rows(report)
     if predicted:
         lines += ["", "planned rows: the cost model's prediction for the plan run against the measurement (step: mean "
-                  "of the timed rounds; the prediction has no optimizer step; sweep peaks are not measured)", "",
-                  "| row | predicted step s | measured step s | predicted / measured | predicted peak MiB | "
-                  "measured peak MiB | predicted / measured |", "|---|---|---|---|---|---|---|"]
+                  "of the timed rounds; predicted: the probes' model times the scale measured on the row's earlier "
+                  "steps, planner/step_time.py; probes alone: the model without it, no optimizer step; sweep peaks "
+                  "are not measured)", "",
+                  "| row | predicted step s | measured step s | predicted / measured | probes alone / measured | "
+                  "predicted peak MiB | measured peak MiB | predicted / measured |", "|---|---|---|---|---|---|---|---|"]
         for label, v in predicted:
             lines.append(f"| {label} | {v['predicted_step_s']:.4f} | {v['measured_step_s']:.4f} | "
-                         f"{_share(v['predicted_step_s'], v['measured_step_s'])} | {_mib(v['predicted_peak_bytes'])} | "
+                         f"{_share(v['predicted_step_s'], v['measured_step_s'])} | "
+                         f"{_share(v.get('modelled_step_s'), v['measured_step_s'])} | {_mib(v['predicted_peak_bytes'])} | "
                          f"{_mib(v.get('peak_bytes'))} | {_share(v['predicted_peak_bytes'], v.get('peak_bytes'))} |")
     if report["sweep"]:
         lines += ["", "budget sweep (each budget its own paired rounds with GC; predicted peak from the runtime's cost "

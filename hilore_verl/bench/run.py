@@ -287,6 +287,7 @@ class _Timer:
         self.computed = {n: m.layer_tokens(batch) for n, m in built.items() if m.controller is not None}
         self.session_s: dict = {k: [] for k in [*built, *variants]}
         self.predicted: dict = {k: [] for k in [*built, *variants]}
+        self.modelled: dict = {k: [] for k in [*built, *variants]}  # the same without the measured scale
         self.plans: dict = {k: [] for k in [*built, *variants]}  # each step's last plan, spelled
 
     def controller(self, key) -> Controller | None:
@@ -300,9 +301,11 @@ class _Timer:
 
     def timed(self, key, times: list[float]) -> dict:
         """A planned key's figures over its timed rounds (the last len(times) steps it ran): the cost model's
-        mean step time, the session's share of the step, how many different plans ran."""
+        mean step time (with the measured scale, and the probes' model alone), the session's share of the
+        step, how many different plans ran."""
         n = len(times)
         return {"predicted_step_s": statistics.fmean(self.predicted[key][-n:]),
+                "modelled_step_s": statistics.fmean(self.modelled[key][-n:]),
                 "controller_share": sum(self.session_s[key][-n:]) / sum(times),
                 "distinct_plans": len(set(self.plans[key][-n:]))}
 
@@ -318,7 +321,7 @@ class _Timer:
         """Another (planner, budget, ...) key, stepped with `controller`."""
         self.variants[key] = controller
         self.sessions[key] = self.built[key[0]].session_with(controller)
-        self.session_s[key], self.predicted[key], self.plans[key] = [], [], []
+        self.session_s[key], self.predicted[key], self.modelled[key], self.plans[key] = [], [], [], []
 
     def step(self, key) -> float:
         name = key[0] if isinstance(key, tuple) else key
@@ -335,7 +338,9 @@ class _Timer:
         c = method.controller
         if c is not None:
             self.session_s[key].append(method.session_s[-1])
-            self.predicted[key].append(c.predicted_step_seconds(c.history[-1].plan, self.computed[method.name]))
+            plan, tokens = c.history[-1].plan, self.computed[method.name]
+            self.predicted[key].append(c.predicted_step_seconds(plan, tokens))
+            self.modelled[key].append(c.predicted_step_seconds(plan, tokens, measured=False))
             self.plans[key].append(tuple(sorted(_spelled(c.history[-1].plan).items())))
         return seconds
 

@@ -46,6 +46,7 @@ import torch
 
 from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
+from hilore_verl.planner.step_time import StepTimeScale
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.planner.search import PlanSearch
@@ -101,6 +102,8 @@ class Controller(PlanSearch):
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
+        self.step_time = StepTimeScale()  # measured / modelled mini-batch seconds (planner/step_time.py)
+        self._size_s = 0.0  # this mini-batch's modelled seconds under GC's plan: the arms' size (planner/arms.py)
 
     @property
     def memory_factor(self) -> float:
@@ -148,13 +151,14 @@ class Controller(PlanSearch):
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int],
-                         seconds_per_token: float | None = None, row_tokens: list[int] | None = None) -> None:
+                         row_tokens: list[int] | None = None, seconds: float | None = None) -> None:
         """Per micro-batch: exposure (L2 of c) and tokens its layers compute, as figures global to the
         data-parallel group (the session reduces them: sum of squares, max), so that micro-batch i gets
         the same plan on every rank; `row_tokens`: its ordinary packed row's, where the shared-prompt
-        layout computes fewer (default: `tokens`). `seconds_per_token`: the last mini-batch's measured
-        time per computed token (the slowest rank's; None when not timed), for the measured choice of
-        arm (planner/arms.py)."""
+        layout computes fewer (default: `tokens`). `seconds`: the last mini-batch's measured time (the
+        slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py, over the
+        modelled time of GC's plan on its micro-batches) and the measured step-time scale
+        (planner/step_time.py)."""
         n = len(exposure_l2)
         row_tokens = list(tokens) if row_tokens is None else list(row_tokens)
         if n != len(tokens) or n != len(row_tokens) or n == 0:
@@ -163,7 +167,9 @@ class Controller(PlanSearch):
         if any(r < t for r, t in zip(row_tokens, tokens)):
             raise ValueError(f"a micro-batch's packed row holds fewer tokens than its layers compute: "
                              f"{row_tokens} < {list(tokens)}")
-        self.arms.record(seconds_per_token)
+        size, self._size_s = self._size_s, 0.0
+        self.arms.record(seconds / size if seconds is not None and size > 0 else None)
+        self.step_time.measured(seconds)
         self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
@@ -205,6 +211,8 @@ class Controller(PlanSearch):
             plan, choice = self._choose(l2, tokens, allowance, row)
             peak = self.predicted_peak(plan, tokens)
         self.arms.informative |= choice
+        self.step_time.planned(self.predicted_step_seconds(plan, tokens, measured=False))
+        self._size_s += self.costs.pass_seconds(self.gc_plan(), tokens)  # the arms' measure of size
         solve_ms = (time.perf_counter() - start) * 1e3
         unit_plans = self.runtime_plan(plan)
         predicted_risk = self.risk.predict(unit_plans, l2) if self.risk is not None else 0.0
@@ -239,12 +247,15 @@ class Controller(PlanSearch):
         return self.costs.seconds(plan, tokens)
 
     # ------------------------------------------------------------------ read-only: a plan's predicted step time
-    def predicted_step_seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
+    def predicted_step_seconds(self, plan: dict[str, UnitPlan], tokens: int, measured: bool = True) -> float:
         """One forward + backward under `plan` at `tokens`, as the cost model prices it (`CostTable.pass_seconds`:
         the probe's measured pass) and, unless the plan runs hands-off (every unit kept, or the model's own
-        checkpointing), the runtime's measured overhead. No optimizer step."""
+        checkpointing), the runtime's measured overhead; times the measured scale of the timed mini-batches
+        (planner/step_time.py: it carries the optimizer step and what the model misses), unless `measured`
+        is False."""
         overhead = 0.0 if plan in self.hands_off_plans() else self.costs.runtime_overhead_s
-        return self.costs.pass_seconds(plan, tokens) + overhead
+        modelled = self.costs.pass_seconds(plan, tokens) + overhead
+        return modelled * self.step_time.value if measured else modelled
 
     def hands_off_plans(self) -> list[dict[str, UnitPlan]]:
         """The exact plans the runtime runs without its hooks: every unit kept, and HF checkpointing as the
@@ -397,7 +408,7 @@ class Controller(PlanSearch):
         out.update({"hilore/plan/predicted_peak_gib": last.predicted_peak / 2**30,
                     "hilore/plan/budget_gib": self.memory_budget_at(self._micro[-1][2]) * self.memory_factor / 2**30,
                     "hilore/plan/risk_predicted": last.predicted_risk, "hilore/plan/risk_allowance": last.risk_allowance,
-                    "hilore/plan/solver_ms": last.solve_ms})
+                    "hilore/plan/solver_ms": last.solve_ms, "hilore/plan/step_time_scale": self.step_time.value})
         if self.risk is not None:
             out["hilore/risk_calibrated"] = float(self.risk.calibrated)
         if self.measured is not None:
