@@ -289,15 +289,18 @@ class _Timer:
         self.predicted: dict = {k: [] for k in [*built, *variants]}
         self.modelled: dict = {k: [] for k in [*built, *variants]}  # the same without the measured scale
         self.plans: dict = {k: [] for k in [*built, *variants]}  # each step's last plan, spelled
+        self.informative: dict = {k: [] for k in [*built, *variants]}  # each step: had a plan but the baseline
 
     def controller(self, key) -> Controller | None:
         return self.variants[key] if isinstance(key, tuple) else self.built[key].controller
 
     def settled(self, key) -> bool:
         """Whether later identical steps of `key` run its last step's plans: no planner, its measured trial
-        decided (planner/arms.py), or none runs (its last step had no plan other than the baseline)."""
+        decided (planner/arms.py), or none runs (its last two steps had no plan other than the baseline: the
+        first plans can differ from later ones, e.g. before the risk model is calibrated)."""
         c = self.controller(key)
-        return c is None or c.arms.chosen is not None or not c.arms.informative
+        return c is None or c.arms.chosen is not None or (len(self.informative[key]) >= 2
+                                                          and not any(self.informative[key][-2:]))
 
     def timed(self, key, times: list[float]) -> dict:
         """A planned key's figures over its timed rounds (the last len(times) steps it ran): the cost model's
@@ -310,11 +313,12 @@ class _Timer:
                 "distinct_plans": len(set(self.plans[key][-n:]))}
 
     def trial(self, key) -> dict:
-        """The measured trial's outcome for a row: the arm its timed rounds ran and plans / baseline time."""
+        """The measured trial's outcome for a row: the arm it chose ("undecided": still timing both when the
+        settle steps ran out, so the timed rounds mixed them; "no trial": no plan other than the baseline)."""
         c = self.controller(key)
         if c is None:
             return {}
-        return {"arm": c.arms.chosen or ("plan" if c.arms.informative else "no trial"),
+        return {"arm": c.arms.chosen or ("undecided" if c.arms.informative else "no trial"),
                 "plan_over_baseline": c.arms.ratio()}
 
     def add(self, key: tuple, controller: Controller) -> None:
@@ -322,6 +326,7 @@ class _Timer:
         self.variants[key] = controller
         self.sessions[key] = self.built[key[0]].session_with(controller)
         self.session_s[key], self.predicted[key], self.modelled[key], self.plans[key] = [], [], [], []
+        self.informative[key] = []
 
     def step(self, key) -> float:
         name = key[0] if isinstance(key, tuple) else key
@@ -342,6 +347,7 @@ class _Timer:
             self.predicted[key].append(c.predicted_step_seconds(plan, tokens))
             self.modelled[key].append(c.predicted_step_seconds(plan, tokens, measured=False))
             self.plans[key].append(tuple(sorted(_spelled(c.history[-1].plan).items())))
+            self.informative[key].append(c.arms.informative)
         return seconds
 
 

@@ -50,7 +50,7 @@ class ArmTrial:
 
     def record(self, relative_seconds: float | None) -> None:
         """The last mini-batch's measured seconds over its size (None: not timed); then this mini-batch's arm."""
-        if relative_seconds is not None and relative_seconds > 0 and self.informative:
+        if self.chosen is None and relative_seconds is not None and relative_seconds > 0 and self.informative:
             self.samples[self.arm].append(relative_seconds)
         self.informative = False
         if self.chosen is not None:
@@ -73,7 +73,8 @@ class ArmTrial:
                        "solver's plans" if self.chosen == "plan" else "baseline (hands-off)", self.recheck_every)
 
     def ratio(self) -> float | None:
-        """The plans' median relative time over the baseline's, once both were timed."""
+        """The plans' median relative time over the baseline's, once both were timed (the trial's samples:
+        none are added while a choice holds)."""
         if not all(self.samples[a] for a in ARMS):
             return None
         return statistics.median(self.samples["plan"]) / statistics.median(self.samples["baseline"])
