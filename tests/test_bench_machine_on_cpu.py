@@ -56,5 +56,10 @@ def test_the_report_says_the_load_and_each_methods_spread():
     rows = {"gc": {"round_cv": 0.02}, "hilore": {"round_cv": 0.05, "round_cv_vs_gc": 0.04, "distinct_plans": 3}, "no_gc": {"status": "failed"}}
     text = "\n".join(_machine_lines({"machine": load}, rows))
     assert "other processes 30.0%" in text and "WARNING: other processes took 30%" in text
-    assert "gc 2.0%" in text and "hilore 5.0% (4.0% of its ratio to GC), 3 different plans over its steps" in text
+    assert "gc 2.0%" in text and "hilore 5.0% (4.0% of its ratio to GC), 3 different plans over its timed steps" in text
     assert "WARNING" not in "\n".join(_machine_lines({"machine": {**load, "quiet": True, "warning": None}}, {}))
+    trial = {"hilore": {"round_cv": 0.01, "arm": "baseline", "plan_over_baseline": 1.0104},
+             "keep_recompute": {"round_cv": 0.01, "arm": "undecided", "plan_over_baseline": None}}
+    text = "\n".join(_machine_lines({}, trial))
+    assert "the measured trial's arm: baseline (plans / baseline 1.010)" in text
+    assert "the measured trial's arm: undecided" in text and "undecided (" not in text
