@@ -84,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
 # pays page faults a GPU's caching allocator never pays; keep freed memory in the heap instead.
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
-BENCH_STOP = {"target_ci": 0.02, "min_rounds": 3, "time_cap": 600.0}  # without --rounds
+BENCH_STOP = {"target_ci": 0.02, "min_rounds": 3, "time_cap": 900.0, "sweep_time_cap": 300.0}  # without --rounds
 
 
 def _bench_stop(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -157,7 +157,7 @@ def _bench_config(args: argparse.Namespace, methods: tuple[str, ...]):
                        num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
                        max_prompt_len=args.prompt_len, per_sequence_attention=any(m in SHARED for m in methods),
                        rounds=args.rounds, min_rounds=args.min_rounds, target_ci=args.target_ci,
-                       time_cap_s=args.time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
+                       time_cap_s=args.time_cap, sweep_time_cap_s=args.sweep_time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
                        profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
                        kl_coef=args.kl_coef, candidates=args.candidates)
 
@@ -173,7 +173,7 @@ def _bench_banner(args: argparse.Namespace, config, methods: tuple[str, ...]) ->
             f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak; "
             + (f"{config.rounds} paired rounds per set" if config.rounds is not None else
                f"paired rounds until every 95% interval is within +-{100 * config.target_ci:g}% (at least "
-               f"{config.min_rounds}, {config.time_cap_s:g} s of rounds at most)"))
+               f"{config.min_rounds}, {config.time_cap_s:g} s of rounds at most for the methods, {config.sweep_time_cap_s:g} s for the sweep)"))
 
 
 def _bench_outputs(args: argparse.Namespace, config, report: dict) -> int:

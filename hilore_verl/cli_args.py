@@ -96,8 +96,10 @@ def _add_bench_stop(bench: argparse.ArgumentParser) -> None:
                             "this share of the ratio (default 0.02: +-2%%)")
     bench.add_argument("--min-rounds", type=positive, default=None, help="rounds before the stop is weighed (default 3)")
     bench.add_argument("--time-cap", type=number(0.0, inclusive=False), default=None, metavar="SECONDS",
-                       help="seconds of timed rounds for the whole run, half for the methods, half shared by the "
-                            "sweep's budgets; hit before the target, the interval reached is reported (default 600)")
+                       help="seconds of timed rounds for the methods' set; hit before the target, the interval "
+                            "reached is reported (default 900)")
+    bench.add_argument("--sweep-time-cap", type=number(0.0, inclusive=False), default=None, metavar="SECONDS",
+                       help="seconds of timed rounds shared equally by the sweep's budgets (default 300)")
     bench.add_argument("--rounds", type=positive, default=None,
                        help="instead: exactly this many paired rounds per set (no target, no cap)")
 

@@ -97,6 +97,9 @@ def test_report_outputs(report, tmp_path):
         assert row["distinct_plans"] >= 1, row
         # timed after the measured trial chose (or with none to run): its arms are not mixed in the rounds
         assert row["arm"] == "no trial" or row["plan_over_baseline"] > 0, row
+    for name in ("keep_recompute", "hilore"):  # the fresh peak process measured the arm the rounds timed
+        row = saved["methods"][name]
+        assert row["arm"] not in ("plan", "baseline") or row["peak_arm"] == row["arm"], row
     assert saved["stop"]["fixed"] == 1 and saved["ci_reached"] is False  # one round: no interval
     assert [s["label"] for s in saved["rounds"]] == ["methods", "budget 1.0", "budget 1.1", "budget 1.25",
                                                       "budget 1.5", "budget no_gc"]
@@ -214,9 +217,9 @@ def test_cli_stop_defaults_and_a_fixed_count(monkeypatch):
     monkeypatch.setattr(cli, "_bench", lambda args: seen.append(args) or 0)
     cli.main(["bench"])
     cli.main(["bench", "--rounds", "5"])
-    cli.main(["bench", "--target-ci", "0.05", "--min-rounds", "4", "--time-cap", "90"])
-    stop = [(a.rounds, a.target_ci, a.min_rounds, a.time_cap) for a in seen]
-    assert stop == [(None, 0.02, 3, 600.0), (5, 0.02, 3, 600.0), (None, 0.05, 4, 90.0)]
+    cli.main(["bench", "--target-ci", "0.05", "--min-rounds", "4", "--time-cap", "90", "--sweep-time-cap", "30"])
+    stop = [(a.rounds, a.target_ci, a.min_rounds, a.time_cap, a.sweep_time_cap) for a in seen]
+    assert stop == [(None, 0.02, 3, 900.0, 300.0), (5, 0.02, 3, 900.0, 300.0), (None, 0.05, 4, 90.0, 30.0)]
 
 
 def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():

@@ -96,9 +96,12 @@ def test_a_fixed_count_has_no_target_and_no_cap():
 def test_without_gc_each_throughput_interval_is_weighed_and_the_cap_is_shared():
     result, _ = _run({"hilore": 0.01, "keep_recompute": 0.01}, StopRule(), cap=1e6)
     assert result.stopped_by == "target" and set(Rd.half_widths(result.times)) == {"hilore", "keep_recompute"}
-    assert caps(600, 0) == (600, 0.0) and caps(600, 5) == (300, 60)
+    rule = StopRule(time_cap_s=900, sweep_cap_s=300)
+    assert caps(rule, 0) == (900, 0.0) and caps(rule, 5) == (900, 60)
     with pytest.raises(ValueError):
         StopRule(target=math.nan)
+    with pytest.raises(ValueError):
+        StopRule(sweep_cap_s=0)
 
 
 def test_every_sweep_budget_stops_on_its_own(monkeypatch):
@@ -125,7 +128,8 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
     monkeypatch.setattr(R._Timer, "step", step)
     monkeypatch.setattr(R, "run_rounds", functools.partial(run_rounds, clock=clock))
     tiny = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=4, group_size=4,
-                       max_response_len=32, zero_advantage_share=0.0, min_rounds=3, target_ci=0.02, time_cap_s=200.0)
+                       max_response_len=32, zero_advantage_share=0.0, min_rounds=3, target_ci=0.02, time_cap_s=100.0,
+                       sweep_time_cap_s=100.0)
     report = run_bench(tiny, methods=("gc", "hilore"), sweep=True, peaks=False)
     sets = {s["label"]: s for s in report["rounds"]}
     assert list(sets) == ["methods", "budget 1.0", "budget 1.1", "budget 1.25", "budget 1.5", "budget no_gc"]

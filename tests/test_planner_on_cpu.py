@@ -604,6 +604,23 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
     assert ran[2 * TRIALS + 5] == "plan" and arms.chosen is None  # ... which times both again
 
 
+def test_a_held_arm_runs_without_a_trial_until_the_recheck():
+    """`hold` (the bench's fresh peak process repeats a row on the arm the row was timed on): that arm runs
+    from the first mini-batch, as a choice; an arm that is not one is refused."""
+    from hilore_verl.planner.arms import ArmTrial
+
+    arms = ArmTrial(recheck_every=3)
+    arms.hold("baseline")
+    ran = []
+    for _ in range(3):
+        arms.record(1.0)
+        arms.informative = True
+        ran.append(arms.arm)
+    assert ran == ["baseline", "baseline", "plan"] and arms.chosen is None  # the recheck times both again
+    with pytest.raises(ValueError, match="arm: got 'gc'"):
+        ArmTrial().hold("gc")
+
+
 def test_the_trial_compares_mini_batches_of_different_sizes_by_the_modelled_time_of_gcs_plan():
     """The controller hands the trial each mini-batch's seconds over the cost model's seconds for GC's plan on
     the same micro-batches: a mini-batch twice the tokens measured twice the time is no slower."""

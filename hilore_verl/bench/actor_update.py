@@ -55,8 +55,10 @@ class BenchConfig:
     """Rounds every paired set runs before its stop is weighed (bench/rounds.py)."""
     target_ci: float = 0.02
     """Stop a set when every 95% interval of a throughput over GC's is within +- this share of the ratio."""
-    time_cap_s: float = 600.0
-    """Seconds of timed rounds for the whole run: half for the methods' set, half shared by the sweep's budgets."""
+    time_cap_s: float = 900.0
+    """Seconds of timed rounds for the methods' set (bench/rounds.py, `StopRule.time_cap_s`)."""
+    sweep_time_cap_s: float = 300.0
+    """Seconds of timed rounds shared equally by the sweep's budgets."""
     candidates: int = 4
     """Runner-ups of HiLoRe's plan run beside it at each budget of the sweep (planner/ranking.py), plus
     keep / recompute's plan where it differs; 0: none."""

@@ -114,4 +114,5 @@ def build_from_state(name: str, config: BenchConfig, batch, state: dict) -> Sess
     hilore = planner_config(name, config, BudgetConfig(*state["budget"]), state["risk_budget"])
     method = SessionMethod(name, config, hilore, state=state["controller"], shared=name in SHARED)
     method.build_controller(batch)
+    method.controller.arms.hold(state["arm"])
     return method

@@ -8,7 +8,9 @@ so freed memory leaves the process; after a warm-up step the kernel's high-water
 resident size before the model was built (Python, torch, the libraries and the codec's compiled
 code, loaded first in every method's process), so ratios compare what the methods themselves
 take. Planners load the parent's cost table and risk model (no second profiling run); with `--first-step` a planner is built from scratch instead and the peak and
-time of its first step (profiling, calibration and one update) are measured.
+time of its first step (profiling, calibration and one update) are measured. A planner's state carries
+the arm its measured trial runs in the parent (planner/arms.py), held here, so that the step measured
+is the plan the parent timed (a fresh trial would run the hands-off baseline on the second step).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
-    return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held}
+    arm = built.controller.arms.arm if built.controller is not None else None  # the timed row's arm, held
+    return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
+            "arm": arm}
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def _paired_rounds(built: dict[str, M.Method], timer: _Timer, rule: StopRule, pr
     """The methods' paired rounds, then each budget's own (GC's steps their baseline), each set stopped by
     `rule` within its share of the time cap. The first set is the methods'."""
     ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in timer.variants)]
-    main_cap, sweep_cap = caps(rule.time_cap_s, len(ratios))
+    main_cap, sweep_cap = caps(rule, len(ratios))
     sets = [run_rounds("methods", list(built), timer.step, rule, main_cap, log=progress.line, settled=timer.settled)]
     for ratio in ratios:  # each budget its own paired rounds, with GC's steps as their baseline
         keys = ["gc"] * ("gc" in built) + [k for k in timer.variants if k[1] == ratio]
@@ -271,7 +271,8 @@ def _against_runner_ups(times: dict, key: tuple) -> dict:
 
 
 def stop_rule(config: BenchConfig) -> StopRule:
-    return StopRule(config.target_ci, config.min_rounds, config.time_cap_s, config.rounds)
+    return StopRule(config.target_ci, config.min_rounds, config.time_cap_s, config.rounds,
+                    sweep_cap_s=config.sweep_time_cap_s)
 
 
 class _Timer:
@@ -430,5 +431,6 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
         return {"seconds": m["first_step_s"], "gc_step_s": m["gc_step_s"],
                 "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024}
     return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024,
-            "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"]}
+            "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"],
+            **({"peak_arm": m["arm"]} if m.get("arm") else {})}
 

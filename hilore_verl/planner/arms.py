@@ -72,6 +72,13 @@ class ArmTrial:
                        self.trials, medians["plan"], medians["baseline"],
                        "solver's plans" if self.chosen == "plan" else "baseline (hands-off)", self.recheck_every)
 
+    def hold(self, arm: str) -> None:
+        """Run `arm` as if a trial had chosen it (a process that repeats a row already measured elsewhere)."""
+        if arm not in ARMS:
+            raise ValueError(f"arm: got {arm!r}; valid: {', '.join(ARMS)}")
+        self.chosen = self.arm = arm
+        self.since_choice = 0
+
     def ratio(self) -> float | None:
         """The plans' median relative time over the baseline's, once both were timed (the trial's samples:
         none are added while a choice holds)."""
