@@ -130,6 +130,8 @@ def _bench_methods(args: argparse.Namespace) -> tuple[str, ...]:
         methods += tuple(m for m in SHARED if m not in methods)
     if args.no_pack and any(m in SHARED for m in methods):
         raise _BenchRefused("the shared-prompt layout packs sequences; drop --no-pack")
+    if args.dense_attention and any(m in SHARED for m in methods):
+        raise _BenchRefused("the shared-prompt layout computes attention per sequence; drop --dense-attention")
     bad = [m for m in methods if m not in METHODS] or ([] if methods else ["(none)"])
     if bad:
         raise _BenchRefused(f"unknown method {bad[0]!r}; valid: {', '.join(METHODS)}")
@@ -139,7 +141,6 @@ def _bench_methods(args: argparse.Namespace) -> tuple[str, ...]:
 def _bench_config(args: argparse.Namespace, methods: tuple[str, ...]):
     """The BenchConfig of the parsed flags; --plot's matplotlib and --model's config checked first."""
     from hilore_verl.bench import BenchConfig
-    from hilore_verl.bench.methods import SHARED
 
     if args.plot:
         try:
@@ -155,7 +156,7 @@ def _bench_config(args: argparse.Namespace, methods: tuple[str, ...]):
             raise _BenchRefused(str(err)) from None
     return BenchConfig(hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                        num_groups=args.groups, group_size=args.group_size, max_response_len=args.response_len,
-                       max_prompt_len=args.prompt_len, per_sequence_attention=any(m in SHARED for m in methods),
+                       max_prompt_len=args.prompt_len, per_sequence_attention=not (args.no_pack or args.dense_attention),
                        rounds=args.rounds, min_rounds=args.min_rounds, target_ci=args.target_ci,
                        time_cap_s=args.time_cap, sweep_time_cap_s=args.sweep_time_cap, model=args.model, pack=not args.no_pack, autocast=not args.no_autocast,
                        profile_tokens=args.profile_tokens, zero_advantage_share=args.zero_advantage_share,
@@ -168,7 +169,8 @@ def _bench_banner(args: argparse.Namespace, config, methods: tuple[str, ...]) ->
              f"Qwen2-shaped model hidden {config.hidden_size}, {config.num_layers} layers, vocabulary {config.vocab_size}")
     return (f"hilore-verl bench: {', '.join(methods)}; {shape}; {config.num_groups} x {config.group_size} "
             f"responses up to {config.max_response_len} tokens after prompts of {max(1, config.max_prompt_len // 2)}-"
-            f"{config.max_prompt_len}; {100 * config.zero_advantage_share:g}% of groups at "
+            f"{config.max_prompt_len}; attention {'per sequence' if config.per_sequence_attention else 'over the whole row'}; "
+            f"{100 * config.zero_advantage_share:g}% of groups at "
             f"zero advantage; KL loss coefficient {config.kl_coef:g}; planners' budget "
             f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak; "
             + (f"{config.rounds} paired rounds per set" if config.rounds is not None else

@@ -126,6 +126,10 @@ def _add_bench_workload(bench: argparse.ArgumentParser) -> None:
                             "coefficient; 0, the default: no KL loss)")
     bench.add_argument("--no-pack", action="store_true",
                        help="left-right padded sequences instead of one packed row (refused above 20%% padding)")
+    bench.add_argument("--dense-attention", action="store_true",
+                       help="SDPA over the whole packed row under a block-diagonal mask, which on the CPU computes "
+                            "every pair of the row (default: attention per packed sequence, as a GPU's varlen "
+                            "kernel computes it)")
     bench.add_argument("--no-autocast", action="store_true",
                        help="CPU: compute in fp32 instead of bf16 autocast over fp32 weights")
 

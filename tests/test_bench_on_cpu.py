@@ -313,3 +313,22 @@ def test_paired_intervals_and_a_budget_at_no_gcs_peak():
     assert m["hilore"]["budget_bytes"] >= m["hilore"]["predicted_peak_bytes"] > m["hilore"]["gc_peak_predicted_bytes"]
     assert s["hilore_throughput_vs_gc_ci"] == m["hilore"]["x_gc"]
     assert "HiLoRe throughput over GC's, paired rounds" in table(report)
+
+
+def test_cli_attention_per_sequence_by_default_and_dense_on_request(monkeypatch, capsys):
+    """The bench's packed rows compute attention per sequence (what a GPU's varlen kernel computes) unless
+    --dense-attention asks for SDPA over the whole row; padded rows have no packed row; the shared-prompt rows
+    need the per-sequence attention and refuse --dense-attention before any work."""
+    from hilore_verl import cli
+
+    seen = []
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # no re-exec
+    monkeypatch.setattr("hilore_verl.bench.run.run_bench", lambda config, *a, **k: seen.append(config) or pytest.fail("ran"))
+    for argv, per_sequence in ((["bench"], True), (["bench", "--dense-attention"], False),
+                               (["bench", "--no-pack"], False), (["bench", "--shared-prompt"], True)):
+        with pytest.raises(pytest.fail.Exception):
+            cli.main(argv)
+        assert seen.pop().per_sequence_attention is per_sequence, argv
+    assert cli.main(["bench", "--shared-prompt", "--dense-attention"]) == 2
+    assert "computes attention per sequence; drop --dense-attention" in capsys.readouterr().err
+    assert not seen

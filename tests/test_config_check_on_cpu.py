@@ -19,6 +19,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
     ("ray_kwargs.ray_init.num_cpus=null", "Ray would count"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
      "hilore.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 is not supported"),
+    ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",  # the key verl's engine reads
+     "hilore.enable=true with actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 is not supported"),
     ("actor_rollout_ref.model.use_liger=true", "hilore.enable=true with actor_rollout_ref.model.use_liger=true"),
 ])
 def test_main_ppo_exits_with_one_line_before_ray(override, message):

@@ -60,11 +60,14 @@ class HiLoReActorConfig(FSDPActorConfig):
         super().__post_init__()
         if not section.enable:
             return
-        if self.ulysses_sequence_parallel_size > 1:
-            raise ValueError(f"hilore.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size="
-                             f"{self.ulysses_sequence_parallel_size} is not supported: Ulysses' all-to-alls run inside "
+        # verl's engine reads fsdp_config's size; the actor's own (deprecated) key is copied into it above
+        sp = self.fsdp_config.ulysses_sequence_parallel_size
+        if sp > 1:
+            key = ("actor_rollout_ref.actor." + ("" if self.ulysses_sequence_parallel_size > 1 else "fsdp_config.")
+                   + "ulysses_sequence_parallel_size")
+            raise ValueError(f"hilore.enable=true with {key}={sp} is not supported: Ulysses' all-to-alls run inside "
                              "the attention units, and recomputing a unit would run them again out of step with the "
-                             "other ranks; set ulysses_sequence_parallel_size=1 (or hilore.enable=false)")
+                             "other ranks; set it to 1 (or hilore.enable=false)")
         from hilore_verl.integration.actor.engine import BACKEND  # importing the engine registers it with verl
 
         values = {f.name: getattr(self.fsdp_config, f.name) for f in dataclasses.fields(FSDPEngineConfig) if f.init}
