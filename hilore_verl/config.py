@@ -154,6 +154,9 @@ def _budget(value) -> BudgetConfig:
     unknown = sorted(set(value) - {"mode", "value"})
     if unknown:
         raise ValueError(f"hilore.budget.{unknown[0]}: unknown key; valid keys: mode, value")
+    # value null: the mode's default (gc_ratio's 1.10), so that a recipe's budget.mode=auto or =gib on
+    # the command line cannot take a ratio meant for gc_ratio as GiB
+    value = {k: v for k, v in value.items() if not (k == "value" and v is None)}
     if value.get("mode", "gc_ratio") != "gc_ratio" and "value" not in value:
         raise ValueError(f"hilore.budget.value: required with mode {value['mode']} "
                          "(gib: the budget in GiB, e.g. 40; auto: GiB of headroom, e.g. 2)")

@@ -22,6 +22,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
     ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",  # the key verl's engine reads
      "hilore.enable=true with actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 is not supported"),
     ("actor_rollout_ref.model.use_liger=true", "hilore.enable=true with actor_rollout_ref.model.use_liger=true"),
+    # the recipes' budget.value is null (gc_ratio's default): another mode does not read a ratio as GiB
+    ("actor_rollout_ref.actor.hilore.budget.mode=auto", "hilore.budget.value: required with mode auto"),
 ])
 def test_main_ppo_exits_with_one_line_before_ray(override, message):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",

@@ -106,6 +106,16 @@ def test_budget_config_rejects_non_finite_and_out_of_range_values(mode, value):
         BudgetConfig(mode, value)
 
 
+def test_a_null_budget_value_is_the_modes_default_and_required_where_there_is_none():
+    """The recipes write `value: null`: gc_ratio reads it as its 1.10; gib and auto (a number of GiB) ask for
+    one, so overriding only the mode cannot read a ratio as GiB."""
+    assert HiLoReConfig.from_dict({"budget": {"mode": "gc_ratio", "value": None}}).budget == BudgetConfig("gc_ratio", 1.10)
+    for mode in ("auto", "gib"):
+        with pytest.raises(ValueError, match=f"hilore.budget.value: required with mode {mode}"):
+            HiLoReConfig.from_dict({"budget": {"mode": mode, "value": None}})
+    assert HiLoReConfig.from_dict({"budget": {"mode": "auto", "value": 2}}).budget == BudgetConfig("auto", 2)
+
+
 def test_every_key_is_documented_in_config_md():
     import dataclasses
     import pathlib

@@ -77,6 +77,7 @@ def test_stock_verl_config_is_untouched():
     ("actor_rollout_ref.actor.hilore.risk_budget=-1", "hilore.risk_budget: got -1"),
     ("actor_rollout_ref.actor.hilore.formats=[int3]", "hilore.formats: unknown format 'int3'"),
     ("actor_rollout_ref.actor.hilore.budget.value=0", "hilore.budget.value: got 0; valid: a finite number >= 1"),
+    ("actor_rollout_ref.actor.hilore.budget.mode=gib", "hilore.budget.value: required with mode gib"),
     ("actor_rollout_ref.actor.hilore.enable=yes please", "hilore.enable: got 'yes please'; valid: true or false"),
     ("actor_rollout_ref.actor.strategy=fsdp", "strategy=fsdp (FSDP1)"),
 ])

@@ -6,7 +6,7 @@ A recipe sets, once:
       actor:
         _target_: hilore_verl.integration.HiLoReActorConfig
         strategy: fsdp2
-        hilore: {enable: false, budget: {mode: gc_ratio, value: 1.10}}
+        hilore: {enable: false, budget: {mode: gc_ratio, value: null}}  # null: the mode's default, 1.10
 
 and `actor_rollout_ref.actor.hilore.enable=true` turns HiLoRe on. verl converts the actor section
 with `omega_conf_to_dataclass` in the driver (`validate_config`) and again inside each actor worker,
