@@ -74,7 +74,30 @@ def test_the_unit_map_check_takes_a_users_map_from_external_lib(tmp_path, monkey
         check_unit_map({"path": model, "external_lib": "cohere_units"})  # the user's map: accepted
     finally:
         MAPS.pop("cohere", None)
-    check_unit_map({"path": "some-org/not-downloaded"})  # no local config: the engine checks at start-up
+    check_unit_map({"path": str(tmp_path)})  # a folder without config.json: the engine checks at start-up
+
+
+def test_the_unit_map_check_reads_a_hub_id_from_the_hub(tmp_path, monkeypatch):
+    """A hub model id (not a local folder) is read through transformers, as verl's workers read it; where the
+    hub cannot be reached the engine checks at start-up instead."""
+    import transformers
+
+    from hilore_verl.integration.actor.map_check import check_unit_map
+
+    cohere, real = _cohere(tmp_path / "cohere"), transformers.AutoConfig.from_pretrained
+    asked = []
+
+    def from_hub(name, **kwargs):
+        asked.append(name)
+        if name == "some-org/cohere-like":
+            return real(cohere)
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_hub)
+    with pytest.raises(ValueError, match="cannot map decoder block CohereDecoderLayer"):
+        check_unit_map({"path": "some-org/cohere-like"})
+    check_unit_map({"path": "some-org/unreachable"})  # no hub: logged, checked by the engine
+    assert asked == ["some-org/cohere-like", "some-org/unreachable"]
 
 
 def test_only_hilore_errors_are_shortened():

@@ -9,9 +9,11 @@ first, on the model built from its config on the meta device (no weights, no mem
     check_unit_map(model_config)  # ValueError "hilore-verl cannot map decoder block ..." or None
 
 A user's own map registered with `register_map` in a module named by `model.external_lib` counts:
-that module is imported here first, as every worker imports it before building the model. A model
-whose config cannot be read here (not a local directory, remote code not trusted) or that the meta
-device cannot build is checked by the engine at start-up instead, and the log says so.
+that module is imported here first, as every worker imports it before building the model. A hub
+model id is read from the hub (its config.json alone, through transformers' cache), as verl's workers
+will read it. A model whose config cannot be read here (a local folder without config.json, a hub
+without network, remote code not trusted) or that the meta device cannot build is checked by the
+engine at start-up instead, and the log says so.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def check_unit_map(model_config) -> None:
     from verl.utils.model import get_hf_auto_model_class
 
     path = model_config.get("hf_config_path") or model_config.get("path")
-    if not path or not os.path.isfile(os.path.join(str(path), "config.json")):
-        logger.info("hilore-verl: the unit map of %s is checked when the engine starts (no local config here)", path)
+    path = os.path.expanduser(str(path)) if path else path
+    if not path or (os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json"))):
+        logger.info("hilore-verl: the unit map of %s is checked when the engine starts (no config.json there)", path)
         return
     import_external_libs(model_config.get("external_lib"))
     trust = bool(model_config.get("trust_remote_code", False))
@@ -44,7 +47,7 @@ def check_unit_map(model_config) -> None:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
         with torch.device("meta"):  # the class verl's engine builds (a causal LM, or a VLM's)
             model = get_hf_auto_model_class(config).from_config(config, trust_remote_code=trust)
-    except Exception as err:  # remote code, a multimodal config, a transformers too old for it: verl decides
+    except Exception as err:  # no hub, remote code, a multimodal config, a transformers too old for it: verl decides
         logger.info("hilore-verl: the unit map of %s is checked when the engine starts (the meta device "
                     "could not build it here: %s)", path, str(err).splitlines()[0] if str(err) else type(err).__name__)
         return
