@@ -3,7 +3,8 @@
     python -m hilore_verl.bench.peak METHOD CONFIG_JSON [STATE | --first-step]
 
 Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
-so freed memory leaves the process; after a warm-up step the kernel's high-water mark is reset
+so freed memory leaves the process, and the CPU kernels' per-shape caches are off
+(run.NO_KERNEL_CACHES); after a warm-up step the kernel's high-water mark is reset
 (`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read. Reported over the process's
 resident size before the model was built (Python, torch, the libraries and the codec's compiled
 code, loaded first in every method's process), so ratios compare what the methods themselves

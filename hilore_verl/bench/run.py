@@ -415,13 +415,18 @@ def _sweep_controllers(built: dict[str, M.Method], points, batch) -> dict[tuple,
     return {(name, ratio): _controller_at(built[name], batch, ratio) for name, ratio in points if name in built}
 
 
+# The CPU kernels' per-shape caches (ATen's oneDNN cache, oneDNN's primitives) stay resident: 62-100 MiB
+# each on the default workload's per-sequence attention, not activations (docs/benchmarks/bench_cpu.md).
+NO_KERNEL_CACHES = {"LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+
+
 def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, first_step: bool = False) -> dict:
     state = FIRST_STEP if first_step else None
     if not first_step and method is not None and method.controller is not None:
         state = os.path.join(tmp, f"{name}.pt")
         torch.save(method.state(), state)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
-           "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+           "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(torch.get_num_threads()), **NO_KERNEL_CACHES}
     cmd = [sys.executable, "-m", "hilore_verl.bench.peak", name, json.dumps(config.to_dict())] + ([state] if state else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
