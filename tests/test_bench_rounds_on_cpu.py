@@ -96,12 +96,12 @@ def test_a_fixed_count_has_no_target_and_no_cap():
 def test_without_gc_each_throughput_interval_is_weighed_and_the_cap_is_shared():
     result, _ = _run({"hilore": 0.01, "keep_recompute": 0.01}, StopRule(), cap=1e6)
     assert result.stopped_by == "target" and set(Rd.half_widths(result.times)) == {"hilore", "keep_recompute"}
-    rule = StopRule(time_cap_s=900, sweep_cap_s=300)
+    rule = StopRule(time_cap_s=900, sweep_time_cap_s=300)
     assert caps(rule, 0) == (900, 0.0) and caps(rule, 5) == (900, 60)
     with pytest.raises(ValueError):
         StopRule(target=math.nan)
     with pytest.raises(ValueError):
-        StopRule(sweep_cap_s=0)
+        StopRule(sweep_time_cap_s=0)
 
 
 def test_every_sweep_budget_stops_on_its_own(monkeypatch):

@@ -36,19 +36,19 @@ class StopRule:
     """The widest 95% half-width allowed, relative to the ratio (0.02: +-2%)."""
     min_rounds: int = 3
     time_cap_s: float = 900.0
-    """Seconds of timed rounds for the methods' set (`caps`). 15 minutes: on the 2-core CPU the default
-    methods' ratios spread by 2-4% per round (sd), which +-2% needs 12-18 rounds of 36 s for."""
+    """Seconds of timed rounds for the methods' set (`caps`). On the 2-core CPU the default methods'
+    ratios spread by 2.6-4.8% per round (sd); +-2% took 25 rounds of 15 s (docs/benchmarks/bench_cpu.md)."""
     fixed: int | None = None
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
     settle_max: int = 8
     """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`)."""
-    sweep_cap_s: float = 300.0
+    sweep_time_cap_s: float = 300.0
     """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
 
     def __post_init__(self):
-        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or not self.sweep_cap_s > 0 or self.warmup < 0 or self.settle_max < 0 or (
+        if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or not self.sweep_time_cap_s > 0 or self.warmup < 0 or self.settle_max < 0 or (
                 self.fixed is not None and self.fixed < 1):
             raise ValueError(f"bad stop rule {self}")
 
@@ -105,7 +105,7 @@ def widest(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> tup
 
 def caps(rule: StopRule, sweep_sets: int) -> tuple[float, float]:
     """(the methods' set's cap, each sweep set's): the rule's sweep cap shared equally by its budgets."""
-    return rule.time_cap_s, (rule.sweep_cap_s / sweep_sets if sweep_sets else 0.0)
+    return rule.time_cap_s, (rule.sweep_time_cap_s / sweep_sets if sweep_sets else 0.0)
 
 
 def _stderr(line: str) -> None:

@@ -272,7 +272,7 @@ def _against_runner_ups(times: dict, key: tuple) -> dict:
 
 def stop_rule(config: BenchConfig) -> StopRule:
     return StopRule(config.target_ci, config.min_rounds, config.time_cap_s, config.rounds,
-                    sweep_cap_s=config.sweep_time_cap_s)
+                    sweep_time_cap_s=config.sweep_time_cap_s)
 
 
 class _Timer:

@@ -48,8 +48,8 @@ def check_unit_map(model_config) -> None:
         with torch.device("meta"):  # the class verl's engine builds (a causal LM, or a VLM's)
             model = get_hf_auto_model_class(config).from_config(config, trust_remote_code=trust)
     except Exception as err:  # no hub, remote code, a multimodal config, a transformers too old for it: verl decides
-        logger.info("hilore-verl: the unit map of %s is checked when the engine starts (the meta device "
-                    "could not build it here: %s)", path, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        logger.info("hilore-verl: the unit map of %s is checked when the engine starts (its config could not "
+                    "be read or built on the meta device here: %s)", path, str(err).splitlines()[0] if str(err) else type(err).__name__)
         return
     try:
         find_units(model)
