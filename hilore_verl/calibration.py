@@ -96,10 +96,12 @@ def _profile(config: HiLoReConfig, runtime: Runtime, passes, collectives, batch)
     def run(b):
         return lambda: passes.train_pass(b)
 
-    # a probe whose sequences share prompts: its half shares differently, so the pair prices no quadratic
-    # growth (the attention's segment squares and the head's share of response tokens change with
-    # the groups, not with the tokens); every rank the same way
-    quadratic = collectives.reduce([float(passes.layer_tokens(batch) == sum(lengths))], "min")[0] > 0
+    # growth with tokens squared only where attention spans the packed row (a dense mask): attended per
+    # sequence, or with sequences sharing prompts, the two probes' different sequences would read as
+    # such growth (the sequences' squares and the head's share of response tokens change with the
+    # sequences, not with the tokens); every rank the same way
+    dense = passes.row_attention and passes.layer_tokens(batch) == sum(lengths)
+    quadratic = collectives.reduce([float(dense)], "min")[0] > 0
     return profile(runtime, run(batch), passes.layer_tokens(batch), element_size=passes.element_size,
                    formats=config.formats, offload=config.offload, group_size=config.group_size,
                    quadratic=quadratic, small=None if small is None else (run(small), passes.layer_tokens(small)))

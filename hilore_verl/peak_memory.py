@@ -27,6 +27,9 @@ reason, and the session plans without the feedback (and says so once).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from hilore_verl import host_memory
@@ -80,3 +83,57 @@ class PeakMeter:
     def _reset_host_peak() -> None:
         with open(CLEAR_REFS, "w") as f:
             f.write("5")
+
+
+@dataclass
+class Allocations:
+    """What one call allocated, from the allocator's own events (both devices): `peak`, the most bytes
+    alive at once that the call allocated itself (`during` of them freed before it returned: its
+    activations and working memory; the rest, `kept`, outlived it: gradients, optimizer state)."""
+    peak: float  # the call's own allocations, kept ones included, at their most
+    during: float  # the same counting only what the call also freed
+    kept: float  # allocated by the call, alive when it returned
+    kept_at_peak: float  # of `kept`, what was allocated already when `during` was at its most
+
+
+def allocations(fn: Callable[[], object], device: torch.device | str = "cpu") -> Allocations:
+    """Run `fn()` under torch's profiler with memory events and sum its allocations by address. Frees of
+    memory allocated before the call are not counted (they lower nothing the call allocated). An
+    allocator that reports nothing (no events at all): RuntimeError, rather than a peak of 0."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    kind = torch.device(device).type
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == kind:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+    if not events:
+        raise RuntimeError(f"the profiler reported no {kind} allocations: its memory events are not available here")
+    events.sort()
+    last: dict[int, int] = {}  # address -> index of its last allocation in the call
+    for i, (_, ptr, size) in enumerate(events):
+        if size > 0:
+            last[ptr] = i
+        elif ptr in last:
+            del last[ptr]  # freed: not kept
+    kept_at = set(last.values())
+    live: dict[int, tuple[int, bool]] = {}  # address -> (bytes, kept)
+    total = during = peak = peak_during = kept_at_peak = 0
+    for i, (_, ptr, size) in enumerate(events):
+        if size > 0:
+            live[ptr] = (size, i in kept_at)
+            total += size
+            during += 0 if i in kept_at else size
+        elif ptr in live:
+            size, kept = live.pop(ptr)
+            total -= size
+            during -= 0 if kept else size
+        peak = max(peak, total)
+        if during > peak_during:
+            peak_during, kept_at_peak = during, total - during
+    return Allocations(float(peak), float(peak_during), float(sum(events[i][2] for i in kept_at)), float(kept_at_peak))

@@ -52,6 +52,7 @@ class Passes(Protocol):
 
     element_size: int  # bytes per element of the activations the model saves
     has_coefficients: bool  # whether the loss coefficients are known (a risk model can be calibrated)
+    row_attention: bool  # attention computes every pair of a packed row (a dense mask): grows with tokens squared
 
     def lengths(self, batch) -> list[int]: ...  # tokens per sequence
     def layer_tokens(self, batch) -> int: ...  # tokens the layers compute: sum(lengths), fewer with shared prompts
@@ -64,6 +65,7 @@ class Passes(Protocol):
     def recover(self) -> None: ...  # forget a failed forward / backward (no gradient left), free memory
     def empty_cache(self) -> None: ...  # return cached device memory
     def static_bytes(self) -> float: ...  # parameters, gradients and optimizer state on this rank
+    def gradient_bytes(self) -> float: ...  # the gradients' part of static_bytes
     def free_bytes(self) -> float: ...  # device memory available to the update (budget mode "auto")
 
 
@@ -143,6 +145,7 @@ class Session:
                  if risk is not None and c.audit_every > 0 else None)
         free = self.passes.free_bytes() if c.budget.mode == "auto" else None  # measured when the actor trains
         return Controller(self.runtime, costs, risk, c.budget, static_bytes=self.passes.static_bytes(),
+                          gradient_bytes=self.passes.gradient_bytes(),
                           risk_budget=c.risk_budget, token_bucket=c.token_bucket, audit=audit,
                           stochastic=c.stochastic_rounding, free_bytes=free, measure_baseline=c.measure_baseline)
 
@@ -419,7 +422,9 @@ class Session:
         if self.retry_mode == "recompute":
             self.runtime.set_plan({u.name: RECOMPUTE for u in self.runtime.units})
             return index
-        plan = self.controller.plan_micro_batch(index)
+        # the first micro-batch after zero_grad allocates its gradients as its backward goes
+        gradients = index > 0 or any(p.grad is not None for p in self.runtime.model.parameters())
+        plan = self.controller.plan_micro_batch(index, gradients)
         if self.retry_mode == "keep_to_recompute":  # the failed attempt's plan, kept units recomputed
             self.runtime.set_plan(self.controller.runtime_plan(
                 {u: RECOMPUTE if p == KEEP else p for u, p in plan.items()}))

@@ -378,7 +378,7 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
     text = dump_state(state)
-    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 2
+    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 3
     loaded = load_state(text, [u.name for u in rt.units])
     assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
     assert Controller.costs_from_state(loaded) == costs
@@ -408,6 +408,25 @@ def test_a_version_1_state_loads_with_its_second_risk_budget_dropped(tiny):
         load_state(json.dumps(doc))
 
 
+def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(tiny):
+    """Versions 1 and 2 had no measured transient: such a state loads with transient_bytes 0, and its
+    table reserves its largest unit's saved bytes, as it planned when it was saved; version 3 needs it."""
+    from hilore_verl.planner.state import dump_state, load_state
+
+    _, rt, _, _, costs = tiny
+    state = _calibrated_state(costs)
+    doc = json.loads(dump_state(state))
+    for key in ("transient_bytes", "transient_fixed", "gradients_at_peak"):
+        del doc["state"]["costs"][key]
+    with pytest.raises(ValueError, match="missing gradients_at_peak, transient_bytes, transient_fixed"):
+        load_state(json.dumps(doc))
+    doc["version"] = 2
+    table = Controller.costs_from_state(load_state(json.dumps(doc), [u.name for u in rt.units]))
+    assert table.transient_bytes == 0.0
+    largest = max(table.grow(u.saved_bytes, u.saved_quadratic, 3 * table.tokens) for u in table.units)
+    assert table.transient(3 * table.tokens) == largest
+
+
 def _edit(text, change):
     doc = json.loads(text)
     change(doc["state"])
@@ -419,7 +438,7 @@ def _edit(text, change):
     ("not utf-8", "not JSON"),
     ("a list", "not a hilore-verl controller state"),
     ("foreign", "not a hilore-verl controller state"),
-    ("version", "version 3; this hilore-verl reads versions 1, 2"),
+    ("version", "version 4; this hilore-verl reads versions 1, 2, 3"),
     ("nan", "non-finite number NaN"),
     ("huge", "valid: a finite number >= 0"),
     ("string", r"state.costs.units\[0\].saved_bytes: got '12'; valid: a finite number >= 0"),
@@ -447,7 +466,7 @@ def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, mat
         "not utf-8": lambda: b"\xff\xfe\xfa garbage",
         "a list": lambda: "[1, 2, 3]",
         "foreign": lambda: json.dumps({"step": 3, "state": {}}),
-        "version": lambda: text.replace('"version": 2', '"version": 3'),
+        "version": lambda: text.replace('"version": 3', '"version": 4'),
         "nan": lambda: _edit(text, lambda s: s.update(risk_budget=1.0)).replace('"risk_budget": 1.0',
                                                                                   '"risk_budget": NaN'),
         "huge": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(held_bytes=1.0)).replace(
@@ -478,9 +497,9 @@ def test_ranks_average_every_float_field_of_the_cost_table():
                       unmanaged_bytes=7.0, region_saving_bytes=3.0)
     values = measured_values(costs)
     # per unit: saved, held, forward, compressible, two quadratic shares and the forward's fixed share;
-    # the table's unmanaged, codec, host, region saving, unmanaged quadratic share, runtime overhead and
-    # kept pass: a new float field is averaged too
-    assert len(values) == 2 * 7 + 7 and 3.0 in values
+    # the table's unmanaged, codec, host, region saving, unmanaged quadratic share, runtime overhead,
+    # transient (bytes, fixed share, gradients' share) and kept pass: a new float field is averaged too
+    assert len(values) == 2 * 7 + 10 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 

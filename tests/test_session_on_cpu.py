@@ -39,6 +39,7 @@ class PlainPasses:
 
     element_size = 4
     has_coefficients = True
+    row_attention = False  # padded rows
 
     def __init__(self, model, runtime, optimizer):
         self.model, self.runtime, self.optimizer = model, runtime, optimizer
@@ -79,6 +80,9 @@ class PlainPasses:
 
     def static_bytes(self):
         return float(sum(p.numel() * 16 for p in self.model.parameters()))
+
+    def gradient_bytes(self):
+        return float(sum(p.numel() * 4 for p in self.model.parameters()))
 
     def free_bytes(self):
         raise AssertionError("only a budget of mode auto asks for free memory")

@@ -30,5 +30,6 @@ def candidate_controllers(chosen: Controller, count: int, tokens: int) -> list[F
     last = chosen.history[-1]
     plans = ranked_plans(chosen, tokens, count + 1, chosen.exposure(0), last.risk_allowance)
     return [FixedPlan(chosen.runtime, chosen.costs, chosen.risk, chosen.budget, static_bytes=chosen.static_bytes,
+                      gradient_bytes=chosen.gradient_bytes,
                       risk_budget=chosen.risk_budget, token_bucket=chosen.token_bucket, measure_baseline=False,
                       fixed=plan) for plan in plans if plan != last.plan][:count + 1]

@@ -5,7 +5,10 @@
 Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
 so freed memory leaves the process, and the CPU kernels' per-shape caches are off
 (run.NO_KERNEL_CACHES); after a warm-up step the kernel's high-water mark is reset
-(`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read. Reported over the process's
+(`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read; then, on the CPU, a third step's
+tensor bytes at their most (peak_memory.allocations over the state the step starts with: what the
+memory model predicts, which the resident size, with the libraries' own memory, cannot check to 5%;
+on CUDA the peak is the allocator's already). The resident peak is reported over the process's
 resident size before the model was built (Python, torch, the libraries and the codec's compiled
 code, loaded first in every method's process), so ratios compare what the methods themselves
 take. Planners load the parent's cost table and risk model (no second profiling run); with `--first-step` a planner is built from scratch instead and the peak and
@@ -72,13 +75,32 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
         before = _status_kib("VmRSS")
         built.step(batch)
         peak = _status_kib("VmHWM")
+    tensors = None
+    if not cuda:  # one more step with the allocator's events followed: the bytes tensors held at most
+        from hilore_verl.peak_memory import allocations
+
+        alive = _state_bytes(built.model, built.optimizer)
+        tensors = (alive + allocations(lambda: built.step(batch)).peak) // 1024
     held = None
     if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
     arm = built.controller.arms.arm if built.controller is not None else None  # the timed row's arm, held
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
-            "arm": arm}
+            "arm": arm, "tensor_peak_kib": tensors}
+
+
+def _state_bytes(model, optimizer) -> int:
+    """Bytes of the tensors a step starts with: parameters, their gradients and the optimizer's state."""
+    import torch
+
+    storages = {}
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += list(getattr(optimizer, "master", []))  # MasterAdamW's fp32 copies
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 if __name__ == "__main__":

@@ -159,15 +159,18 @@ def table(report: dict) -> str:
     if predicted:
         lines += ["", "planned rows: the cost model's prediction for the plan run against the measurement (step: mean "
                   "of the timed rounds; predicted: the probes' model times the scale measured on the row's earlier "
-                  "steps, planner/step_time.py; probes alone: the model without it, no optimizer step; sweep peaks "
+                  "steps, planner/step_time.py; probes alone: the model without it, no optimizer step; measured "
+                  "peak: the bytes tensors held at most, as the model counts them (the CPU: the allocator's events "
+                  "over a step in the peak process; CUDA: its peak allocated), not the resident size; sweep peaks "
                   "are not measured)", "",
                   "| row | predicted step s | measured step s | predicted / measured | probes alone / measured | "
                   "predicted peak MiB | measured peak MiB | predicted / measured |", "|---|---|---|---|---|---|---|---|"]
         for label, v in predicted:
+            measured = v.get("tensor_peak_bytes", v.get("peak_bytes"))
             lines.append(f"| {label} | {v['predicted_step_s']:.4f} | {v['measured_step_s']:.4f} | "
                          f"{_share(v['predicted_step_s'], v['measured_step_s'])} | "
                          f"{_share(v.get('modelled_step_s'), v['measured_step_s'])} | {_mib(v['predicted_peak_bytes'])} | "
-                         f"{_mib(v.get('peak_bytes'))} | {_share(v['predicted_peak_bytes'], v.get('peak_bytes'))} |")
+                         f"{_mib(measured)} | {_share(v['predicted_peak_bytes'], measured)} |")
     if report["sweep"]:
         lines += ["", "budget sweep (each budget its own paired rounds with GC; predicted peak from the runtime's cost "
                   "table; time measured)", "",

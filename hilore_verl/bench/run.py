@@ -408,7 +408,7 @@ def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
     else:
         budget = BudgetConfig("gc_ratio", float(ratio))
     return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,
-                      risk_budget=base.risk_budget, token_bucket=base.token_bucket)
+                      gradient_bytes=base.gradient_bytes, risk_budget=base.risk_budget, token_bucket=base.token_bucket)
 
 
 def _sweep_controllers(built: dict[str, M.Method], points, batch) -> dict[tuple, Controller]:
@@ -437,5 +437,6 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
                 "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024}
     return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024,
             "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"],
-            **({"peak_arm": m["arm"]} if m.get("arm") else {})}
+            **({"peak_arm": m["arm"]} if m.get("arm") else {}),
+            **({"tensor_peak_bytes": m["tensor_peak_kib"] * 1024} if m.get("tensor_peak_kib") is not None else {})}
 

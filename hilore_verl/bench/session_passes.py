@@ -48,6 +48,7 @@ class BenchPasses:
         weights = next(model.parameters())
         cpu_autocast = config.autocast and weights.device.type == "cpu"
         self.element_size = 2 if cpu_autocast else weights.element_size()
+        self.row_attention = config.pack and not config.per_sequence_attention  # SDPA over the packed row
 
     def _head(self, fn, *args):
         return self.runtime.call("head", fn, *args)
@@ -100,6 +101,9 @@ class BenchPasses:
 
     def static_bytes(self) -> float:
         return float(static_bytes(self.model, self.config))
+
+    def gradient_bytes(self) -> float:
+        return float(sum(p.numel() * p.element_size() for p in self.model.parameters()))
 
     def free_bytes(self) -> float:
         device = next(self.model.parameters()).device

@@ -77,6 +77,7 @@ class Controller(PlanSearch):
     risk: RiskModel | None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     static_bytes: float = 0.0
+    gradient_bytes: float = 0.0  # the gradients' part of static_bytes (absent until a first backward)
     risk_budget: float = 0.01
     token_bucket: int = 256
     free_bytes: float | None = None
@@ -111,8 +112,11 @@ class Controller(PlanSearch):
         return self.oom_factor * self.peak_factor
 
     # ------------------------------------------------------------------ memory model
-    def predicted_peak(self, plan: dict[str, UnitPlan], tokens: int) -> float:
-        return self.static_bytes + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
+    def predicted_peak(self, plan: dict[str, UnitPlan], tokens: int, gradients: bool = True) -> float:
+        """static + held + transient. `gradients` False: a micro-batch that starts without gradients (the
+        first after zero_grad), whose peak holds the share of them allocated by then (measured)."""
+        absent = 0.0 if gradients else (1 - self.costs.gradients_at_peak) * self.gradient_bytes
+        return self.static_bytes - absent + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
 
     def gc_plan(self) -> dict[str, UnitPlan]:
         """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
@@ -185,8 +189,10 @@ class Controller(PlanSearch):
         """Micro-batch `index`'s (tokens its layers compute, tokens of its packed row), as planned."""
         return self._micro[index][1], self._micro[index][2]
 
-    def plan_micro_batch(self, index: int) -> dict[str, UnitPlan]:
-        """Solve (or reuse) the plan for one local micro-batch; the caller applies it (`runtime_plan`)."""
+    def plan_micro_batch(self, index: int, gradients: bool = True) -> dict[str, UnitPlan]:
+        """Solve (or reuse) the plan for one local micro-batch; the caller applies it (`runtime_plan`).
+        `gradients` False: it starts without gradients (the first after zero_grad); its plan fits as
+        if they were there (every micro-batch's plan does), its predicted peak is what it will hold."""
         l2, tokens, row = self._micro[index]  # global figures: the same on every rank
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
         bucket_row = math.ceil(row * bucket / tokens)  # the bucket at this micro-batch's share of its row
@@ -210,6 +216,8 @@ class Controller(PlanSearch):
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
             plan, choice = self._choose(l2, tokens, allowance, row)
             peak = self.predicted_peak(plan, tokens)
+        if not gradients:
+            peak = self.predicted_peak(plan, tokens, gradients=False)
         self.arms.informative |= choice
         self.step_time.planned(self.predicted_step_seconds(plan, tokens, measured=False))
         self._size_s += self.costs.pass_seconds(self.gc_plan(), tokens)  # the arms' measure of size

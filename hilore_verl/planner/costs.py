@@ -68,6 +68,17 @@ class CostTable:
     runtime_overhead_s: float = 0.0
     """Per micro-batch: what running a plan through the runtime's hooks costs over the same exact plan run
     hands-off (HF checkpointing), measured at the probe; priced as fixed (it follows the saved-tensor count)."""
+    transient_bytes: float = 0.0
+    """What a pass under GC's plan allocates at once beyond what its forward left held (backward's working
+    memory, what a recomputed layer regenerates, the head's log-softmax), measured at the probe from the
+    allocator's events (peak_memory.allocations); grows as the units' saved bytes grow. 0: not measured,
+    and the reserve is the largest unit's saved bytes."""
+    transient_fixed: float = 0.0
+    """Share of transient_bytes that does not grow with tokens (low-precision weight copies), measured
+    against the small probe."""
+    gradients_at_peak: float = 1.0
+    """Share of the gradients a pass that starts without them (the first micro-batch after zero_grad)
+    has allocated when its transient peaks (measured with transient_bytes; 1: not measured)."""
     keep_pass_s: float = 0.0
     """One forward + backward of the probe with every unit kept, hands-off: the fastest measured pass under
     GC's plan less the table's own price of that plan's recompute (`seconds`), so that the whole pass, its
@@ -188,7 +199,14 @@ class CostTable:
             choice.fmt, self.element_size, choice.group_size))
 
     def transient(self, tokens: int) -> float:
-        """Reserve for what backward regenerates or dequantizes at once: the largest unit's saved bytes."""
+        """Reserve for what a pass allocates at once beyond what its forward held: the measured
+        `transient_bytes` grown as the units' saved bytes grow, or unmeasured, the largest unit's saved
+        bytes (what backward regenerates or dequantizes at once)."""
+        if self.transient_bytes > 0:
+            saved = sum(u.saved_bytes for u in self.units)
+            grown = sum(self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units)
+            growth = grown / saved if saved > 0 else self.scale(tokens)
+            return self.transient_bytes * (self.transient_fixed + (1 - self.transient_fixed) * growth)
         return max((self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units), default=0.0)
 
 

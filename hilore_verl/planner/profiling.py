@@ -6,6 +6,7 @@ with tokens are the cost model's (costs.py).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -13,12 +14,16 @@ from typing import Callable
 import torch
 
 from hilore_verl.kernels import payload_ratio
+from hilore_verl.peak_memory import Allocations, allocations
 from hilore_verl.planner.bandwidth import codec_bandwidth, host_bandwidth, sample_bytes
 from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import RecoveryUnit, name_in_layer
 from hilore_verl.timing import DeviceClock
+
+logger = logging.getLogger("hilore_verl")
+QUADRATIC_KINDS = ("attn_core",)  # units whose figures may grow with tokens squared (dense attention)
 
 
 def _unit_times(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[dict[str, float], float]:
@@ -176,6 +181,7 @@ class _ProbeStats:
     small_keeps: dict[int, RuntimeStats] | None  # 5: 2 on the small probe
     overhead: float  # `runtime_overhead`: the runtime's hooks over HF checkpointing run hands-off
     hands_off: float  # that hands-off pass's seconds (0: the model had no checkpointing)
+    allocations: tuple[Allocations | None, Allocations | None]  # 1 again, its allocations followed; small too
 
 
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
@@ -204,10 +210,15 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                                                     layer (one region) holds more for it: its inputs,
                                                     the kept calls' outputs the re-run replays
            per head unit: recomputed                what the model holds more than with it kept
-        5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes, forward
-                                                    times and unmanaged bytes; per group, the fixed
+        5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes and forward
+                                                    times (attention cores only: QUADRATIC_KINDS)
+                                                    and of unmanaged bytes; per group, the fixed
                                                     share of forward times (against 1 and 2's own
                                                     times, their spread as the noise)
+        6. 1 again, its allocations followed        what a pass allocates at once beyond what its
+           (peak_memory.allocations; with `small`,  forward held (backward's working memory), its
+           on the small probe too)                  share that does not grow, and the share of the
+                                                    gradients allocated by then
 
     Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
     and hands-off, twice each: the runtime's overhead; the fastest GC pass (that hands-off one, or probe 1
@@ -229,7 +240,40 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
                       unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead, **kwargs)
     table.keep_pass_s = _keep_pass_seconds(probes, stats.hands_off, table, tokens)
+    table.transient_bytes, table.transient_fixed, table.gradients_at_peak = _transient(
+        stats, small[1] / tokens if small is not None else None)
     return table
+
+
+def _transient(stats: _ProbeStats, r: float | None) -> tuple[float, float, float]:
+    """(bytes, fixed share, gradients' share) of what a pass under GC's plan allocates at once beyond what
+    its forward left held: probe 1's most bytes allocated and freed at once (`_ProbeStats.allocations`)
+    less what its forward held (`_total`, which the table's GC plan reproduces). Gradients outlive the
+    pass and are not counted (the static bytes hold them); the share of them allocated by that peak
+    (the probe starts without gradients) is the third figure. With the small probe (`r` = its tokens /
+    the probe's) the share that does not grow with tokens (autocast's low-precision weight copies,
+    gathered parameters). (0, 0, 1) where the allocator reported nothing: the table then reserves its
+    largest unit."""
+    large, small = stats.allocations
+    if large is None:
+        return 0.0, 0.0, 1.0
+    transient = max(large.during - _total(stats.whole), 0.0)
+    gradients = large.kept_at_peak / large.kept if large.kept > 0 else 1.0
+    if small is None or r is None:
+        return transient, 0.0, gradients
+    return transient, fixed_share(max(small.during - _total(stats.small_whole), 0.0), transient, r), gradients
+
+
+def _followed(probes: _Probes, small_probe: bool) -> Allocations | None:
+    """Probe 1 once more with its allocations followed (peak_memory.allocations); None, said once,
+    where the allocator reports nothing."""
+    probes.runtime.set_plan(probes.gc_plan)
+    try:
+        return allocations(probes.small_run if small_probe else probes.run, probes.clock.device)
+    except RuntimeError as err:
+        logger.warning("hilore-verl: the backward's working memory is not measured (%s); the memory model "
+                       "reserves the largest unit's saved bytes for it", err)
+        return None
 
 
 def _plan_probes(runtime: Runtime, run: Callable[[], None], small: tuple[Callable[[], None], int] | None,
@@ -260,9 +304,11 @@ def _run_probes(probes: _Probes) -> _ProbeStats:
         int8 = probes.probe({u.name: UnitPlan(Mode.COMPRESS, fmt="int8") for u in probes.probed + probes.heads})
         held, replay = _probe_recomputed(probes, whole, keeps)
         overhead, hands_off = runtime_overhead(runtime, probes.run, probes.clock)
+        large = _followed(probes, small_probe=False)
+        small = _followed(probes, small_probe=True) if large is not None and probes.small_run is not None else None
     finally:
         runtime.set_plan(plan_before)
-    return _ProbeStats(whole, keeps, int8, held, replay, small_whole, small_keeps, overhead, hands_off)
+    return _ProbeStats(whole, keeps, int8, held, replay, small_whole, small_keeps, overhead, hands_off, (large, small))
 
 
 def _probe_recomputed(probes: _Probes, whole: RuntimeStats, keeps: dict[int, RuntimeStats]
@@ -328,9 +374,14 @@ def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile]
     # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
     sized = [_group_times({u.name: group[u.name] for u in units}, probes.runs[size]) for size in (True, False)]
     grows = quadratic_share if quadratic else (lambda *_: 0.0)
+    kind = {u.name: u.kind for u in runtime.units}
     for u in units:
-        u.saved_quadratic = grows(saved_small[group[u.name]], u.saved_bytes, r)
-        u.forward_quadratic = grows(probes.small_times[u.name], u.forward_s, r)
+        # only attention over a packed row grows with tokens squared: in any other unit a figure that
+        # grew faster than the tokens is the two probes' different sequences (e.g. the head's share
+        # of response tokens), not growth, and a k^2 term would scale it up many times
+        q = grows if kind[u.name] in QUADRATIC_KINDS else (lambda *_: 0.0)
+        u.saved_quadratic = q(saved_small[group[u.name]], u.saved_bytes, r)
+        u.forward_quadratic = q(probes.small_times[u.name], u.forward_s, r)
         (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
         u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
     unmanaged_small = max(_held_all_kept(probes, stats.small_whole, stats.small_keeps)

@@ -16,8 +16,10 @@ from hilore_verl import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
 
 STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 2
-OLD_VERSIONS = (1,)  # read too: version 1 also held the audit's copy of the risk budget (audit_budget)
+STATE_VERSION = 3
+# read too: version 1 also held the audit's copy of the risk budget (audit_budget); versions 1 and 2 had
+# no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned)
+OLD_VERSIONS = (1, 2)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
 
 
@@ -57,6 +59,8 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     state = doc["state"]
     fields = {"costs", "risk", "risk_budget", "memory_factor"}
     _keys("state", state, fields | {"audit_budget"} if version == 1 else fields)
+    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and "transient_bytes" not in state["costs"]:
+        state["costs"].update(transient_bytes=0.0, transient_fixed=0.0, gradients_at_peak=1.0)
     _check_costs(state["costs"], unit_names)
     names = [u["name"] for u in state["costs"]["units"]]
     if state["risk"] is not None:
@@ -118,8 +122,10 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
     _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
             integer=True)
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
-    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s"):
+    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes"):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
+    for key in ("transient_fixed", "gradients_at_peak"):
+        _number(f"state.costs.{key}", costs[key], lambda v: 0 <= v <= 1, "in [0, 1]")
     for key in ("codec_bytes_per_s", "host_bytes_per_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")
     formats = costs["formats"]

@@ -55,6 +55,10 @@ class VerlPasses:
         e = self.engine
         return next(e.module.parameters()).element_size() if e._autocast_dtype == torch.float32 else 2
 
+    # verl attends per sequence (flash-attention's varlen kernel over unpadded rows) or per padded row:
+    # nothing grows with a micro-batch's tokens squared
+    row_attention = False
+
     @property
     def has_coefficients(self) -> bool:
         return self.engine.actor_config is not None
@@ -113,6 +117,14 @@ class VerlPasses:
         for p in self.engine.module.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * (2 * local.element_size() + 8)
+        return total
+
+    def gradient_bytes(self) -> float:
+        """The gradients of the parameter shards on this rank (in the parameters' dtype)."""
+        total = 0.0
+        for p in self.engine.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
         return total
 
     def free_bytes(self) -> float:
