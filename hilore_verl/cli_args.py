@@ -54,11 +54,12 @@ def add_plan(sub) -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True,
                       help="a preset (e.g. qwen2.5-7b, llama-3-8b; see docs/config.md) or a HF model directory")
     plan.add_argument("--gpu-mem-gib", type=number(0.0, inclusive=False), default=80.0,
-                      help="device memory per GPU, a finite number > 0 (default 80)")
+                      help="device memory per GPU in GiB, a finite number > 0 (default 80; an 80 GB H100 "
+                           "reports 79.2 GiB to torch)")
     plan.add_argument("--micro-batch-tokens", type=positive, default=16384, help="tokens per micro-batch (default 16384)")
     plan.add_argument("--seq-len", type=positive, default=None, help="typical sequence length (default: the micro-batch)")
     plan.add_argument("--gpus", type=positive, default=8, help="FSDP ranks sharding the model (default 8)")
-    plan.add_argument("--budget", default="gc_ratio:1.10", help="gc_ratio:X, gib:X or auto[:headroom GiB] (default gc_ratio:1.10)")
+    plan.add_argument("--budget", default="gc_ratio:1.10", help="gc_ratio:X, gib:X or auto:headroom GiB (default gc_ratio:1.10)")
     plan.add_argument("--prompt-len", type=positive, default=None,
                       help="with --response-len and --group-size: also predict each group's prompt computed once")
     plan.add_argument("--response-len", type=positive, default=None, help="response tokens (with --prompt-len)")

@@ -50,6 +50,26 @@ def check_device() -> Check:
     return Check(True, f"no GPU found; CPU only ({os.cpu_count()} cores, {platform.machine()})")
 
 
+RECIPE_ATTENTION = "flash_attention_2"  # verl's actor default (model.override_config.attn_implementation); the recipes keep it
+
+
+def check_attention() -> Check:
+    """On a GPU the recipes run the actor with verl's default attention, FlashAttention-2 (varlen over
+    the unpadded rows, use_remove_padding), which verl[vllm] does not install."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Check(True, f"not applicable: no CUDA device (the recipes' {RECIPE_ATTENTION} runs on GPUs only)")
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return Check(False, f"the recipes' actor attention ({RECIPE_ATTENTION}, verl's default) is not available: "
+                            "flash-attn is not installed or does not match this torch",
+                     "pip install flash-attn --no-build-isolation (built against the installed torch), or run "
+                     "with actor_rollout_ref.model.override_config.attn_implementation=sdpa")
+    return Check(True, f"{RECIPE_ATTENTION} available (flash-attn {installed_version('flash-attn') or '?'})")
+
+
 def check_triton() -> Check:
     import torch
 
@@ -116,6 +136,7 @@ CHECKS: tuple[tuple[str, Callable[[], Check], tuple[str, ...]], ...] = (
     # (name, check, checks that must have passed for it to run)
     ("versions", check_versions, ()),
     ("device", check_device, ()),
+    ("attention", check_attention, ()),
     ("Triton kernels", check_triton, ()),
     ("verl plugin", check_plugin, ("versions",)),
     ("verl platform", check_platform, ("verl plugin",)),

@@ -29,6 +29,7 @@ def test_doctor_command_on_this_machine():
     else:
         assert "[ok] device: no GPU found; CPU only" in out
         assert "[ok] Triton kernels: not applicable: no CUDA device" in out
+        assert "[ok] attention: not applicable: no CUDA device" in out
         assert "[ok] verl platform: cpu (hilore-verl's CPU platform" in out
         assert "[ok] FSDP2 engine: FSDPQwen2ForCausalLM on cpu: one train step, grad norm" in out
     assert out.rstrip().endswith("verdict: usable here.")
@@ -80,3 +81,20 @@ def test_doctor_checks_the_triton_kernels_only_where_there_is_a_cuda_device(monk
     assert not check.ok and check.detail.startswith(reason) and "use the torch reference codec" in check.detail
     assert check.fix == "install gcc or clang, or set CC; install python3-dev"
 
+
+
+def test_doctor_checks_the_recipes_attention_on_a_cuda_device(monkeypatch):
+    """The recipes' actor attention is verl's default, FlashAttention-2, which verl[vllm] does not bring:
+    on a CUDA host without flash-attn doctor fails with the install line and the sdpa override."""
+    import torch
+    import transformers.utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert doctor.check_attention().ok
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    check = doctor.check_attention()
+    assert not check.ok and "flash_attention_2" in check.detail
+    assert "pip install flash-attn --no-build-isolation" in check.fix and "attn_implementation=sdpa" in check.fix
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert doctor.check_attention().ok

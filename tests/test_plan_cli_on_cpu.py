@@ -63,6 +63,7 @@ def test_plan_of_a_preset(tmp_path):
                         "4096", "--json", str(out)], timeout_s=600)
     assert proc.returncode == 0, proc.stderr
     assert "predicted actor-update time saved against full GC" in proc.stdout and "layer 23" in proc.stdout
+    assert "peaks, lower bounds" in proc.stdout
     result = json.loads(out.read_text())
     assert result["peak_gib"] <= result["budget_gib"] <= 40
     assert result["budget_gib"] == pytest.approx(1.10 * result["gc_peak_gib"])
@@ -100,6 +101,7 @@ def test_a_model_the_meta_device_cannot_run_is_refused_in_one_line(tmp_path, cap
     (["--model", "qwen9-1t"], "cannot read a model config from 'qwen9-1t'"),
     (["--model", "qwen2.5-0.5b", "--budget", "percent:3"], "bad --budget 'percent:3'"),
     (["--model", "qwen2.5-0.5b", "--budget", "gib:500"], "more than the 80 GiB of the device"),
+    (["--model", "qwen2.5-0.5b", "--budget", "auto"], "bad --budget 'auto': a value is needed (auto: the GiB of headroom"),
     (["--model", "qwen2.5-7b", "--gpus", "1", "--gpu-mem-gib", "24"], "full recompute alone needs"),
 ])
 def test_bad_input_is_one_line(args, message):

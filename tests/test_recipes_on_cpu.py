@@ -63,6 +63,21 @@ def test_flag_selects_the_engine(name):
     assert all(getattr(on.engine, f) == getattr(off.engine, f) for f in fields)
 
 
+@pytest.mark.parametrize("name", MODEL_RECIPES)
+def test_the_kl_off_variant_composes_over_every_recipe(name):
+    """`+variant=no_kl`: the KL loss off, everything else the recipe's (so HiLoRe may skip the sequences
+    without a loss term); the KL loss is on without it."""
+    from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
+
+    on = compose(name, ["actor_rollout_ref.actor.hilore.enable=true"])
+    off = compose(name, ["actor_rollout_ref.actor.hilore.enable=true", "+variant=no_kl"])
+    assert on.actor_rollout_ref.actor.use_kl_loss and not off.actor_rollout_ref.actor.use_kl_loss
+    config = actor(off)
+    assert config.hilore.skip_zero_exposure and engine_cls(config) is HiLoReFSDPEngine
+    off.actor_rollout_ref.actor.use_kl_loss = True
+    assert off == on
+
+
 def test_stock_verl_config_is_untouched():
     """Without the recipe's _target_, verl's own FSDPActorConfig and engine (nothing of ours is involved)."""
     from verl.workers.config import FSDPActorConfig

@@ -66,7 +66,9 @@ class WhatIf:
                   f"model {self.model}: {self.params / 1e9:.2f} B parameters, {self.tokens} tokens per micro-batch, "
                   f"{self.gpus} GPUs of {self.gpu_mem_gib:g} GiB",
                   f"static per GPU (sharded weights, grads, Adam; two unsharded layers): {self.static_gib:.2f} GiB",
-                  f"peak: full GC {self.gc_peak_gib:.2f} GiB, no GC {self.no_gc_peak_gib:.2f} GiB, "
+                  "peaks, lower bounds (from the config alone: what the units save and hold, the static bytes; "
+                  "not the CUDA context, the allocator's fragmentation or the framework's own buffers):",
+                  f"  full GC {self.gc_peak_gib:.2f} GiB, no GC {self.no_gc_peak_gib:.2f} GiB, "
                   f"budget {self.budget_gib:.2f} GiB, this plan {self.peak_gib:.2f} GiB "
                   f"({', '.join(f'{n} {c}' for c, n in sorted(counts.items()))})",
                   f"predicted actor-update time saved against full GC: {100 * self.saved_vs_gc:.1f}% "
@@ -137,12 +139,13 @@ def shared_summary(plain: WhatIf, shared: WhatIf, prompt_len: int, response_len:
 
 
 def parse_budget(text: str) -> BudgetConfig:
-    """`gc_ratio:1.10`, `gib:40`, `auto` or `auto:2` (GiB of headroom)."""
+    """`gc_ratio:1.10`, `gib:40` or `auto:2` (GiB of headroom: as `hilore.budget.mode=auto`, it needs one;
+    at none a plan would fill the device to its last byte)."""
     mode, _, value = text.partition(":")
     try:
-        number = float(value) if value else {"auto": 0.0}.get(mode)
-        if number is None:
-            raise ValueError("a value is needed")
+        if not value:
+            raise ValueError("a value is needed" + (" (auto: the GiB of headroom to leave free)" if mode == "auto" else ""))
+        number = float(value)
         return BudgetConfig(mode, number)
     except ValueError as err:
         raise ValueError(f"bad --budget {text!r}: {err}; use gc_ratio:1.10, gib:40 or auto:2") from None

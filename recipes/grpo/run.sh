@@ -6,8 +6,9 @@
 #     gc       verl's full gradient checkpointing (the recipe's baseline)
 #     offload  verl's activation offload on top of gradient checkpointing
 # The A/B pairs: `hilore` vs `gc`, and `hilore` vs `offload`, same recipe, same seed.
+# `+variant=no_kl` among the overrides: the same recipe without the KL loss (variant/no_kl.yaml).
 set -euo pipefail
-if [[ $# -lt 2 ]]; then sed -n '2,8p' "$0"; exit 2; fi
+if [[ $# -lt 2 ]]; then sed -n '2,9p' "$0"; exit 2; fi
 recipe="$1"; method="$2"; shift 2
 here="$(cd "$(dirname "$0")" && pwd)"
 [[ -f "$here/$recipe.yaml" ]] || { echo "no recipe $recipe; have: $(cd "$here" && ls qwen*.yaml | sed 's/.yaml//' | tr '\n' ' ')"; exit 2; }
