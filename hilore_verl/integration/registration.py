@@ -6,6 +6,7 @@ import sys
 
 from hilore_verl.integration.actor import config_check, group_balance
 from hilore_verl.integration.cpu_host import packed_attention, workers
+from hilore_verl.integration.tools import ab_peak
 
 CPU_PLATFORM_MODULE = "hilore_verl.integration.cpu_host.platform"
 
@@ -22,4 +23,4 @@ def register_all() -> list[str]:
 
         register_cpu_platform()
     return ["platform:cpu", f"attention:{packed_attention.register()}", *workers.install(), *config_check.install(),
-            *group_balance.install()]
+            *group_balance.install(), *ab_peak.install()]

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # A/B on a GPU node: the Qwen2.5-0.5B GSM8K recipe for a few steps with HiLoRe and with verl's GC,
-# same seed, then a table of actor-update time from verl's own metrics.
+# same seed, then a table of actor-update time and peak memory from verl's own metrics.
 #   recipes/grpo/gpu_ab_0.5b.sh [STEPS=5] [NGPUS=all of the node's]    (needs verl[vllm], the model and the data)
 # Writes logs to runs/ab_0.5b/ and the table to docs/benchmarks/recipe_qwen2.5-0.5b_gpu.md.
 # A comparison of speed at the same update: HiLoRe's plans exact (risk_budget 0: keep / recompute only)
 # and the solver's plans always run (measure_baseline false: no step falls back to GC's own plan);
-# each arm its own experiment name, never resumed from a checkpoint (resume_mode disable).
+# each arm its own experiment name, never resumed from a checkpoint (resume_mode disable). Peak memory
+# alike: HILORE_VERL_PEAK_PER_MINI_BATCH=1 makes verl's own engine reset the device's peak counter as
+# each mini-batch starts, as HiLoRe's engine does, so both arms' perf/max_memory_allocated_gb is one
+# mini-batch's peak (hilore_verl/integration/tools/ab_peak.py).
 set -euo pipefail
+export HILORE_VERL_PEAK_PER_MINI_BATCH=1
 steps="${1:-5}"
 ngpus="${2:-$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)}"
 here="$(cd "$(dirname "$0")" && pwd)"; root="$(cd "$here/../.." && pwd)"
@@ -32,19 +36,21 @@ def mean_after_first(log, key):
 rows = []
 for method in ("gc", "hilore"):
     log = f"{out}/{method}.log"
+    peaks = series(log, "perf/max_memory_allocated_gb")
     rows.append((method, mean_after_first(log, "timing_s/update_actor"),
-                 mean_after_first(log, "timing_per_token_ms/update_actor")))
+                 mean_after_first(log, "timing_per_token_ms/update_actor"), max(peaks) if peaks else float("nan")))
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 lines = [f"# Qwen2.5-0.5B GSM8K recipe: HiLoRe vs verl GC ({gpu.splitlines()[0] if gpu else 'GPU'}, {ngpus} GPU)", "",
          f"Command: `recipes/grpo/gpu_ab_0.5b.sh {steps} {ngpus}`; mean of steps 2..{steps}; HiLoRe exact "
          "(risk_budget 0) and its plans always run (measure_baseline false).", "",
-         "| method | update_actor s | ratio to GC | per token ms | ratio to GC |", "|---|---|---|---|---|"]
-for method, t, per in rows:
-    lines.append(f"| {method} | {t:.2f} | {t / rows[0][1]:.3f} | {per:.4f} | {per / rows[0][2]:.3f} |")
-lines += ["", "Peak memory is not compared here: verl's `perf/max_memory_allocated_gb` is the process's peak since "
-          "start in the GC run (log-prob passes and rollout included) and since the last mini-batch's start "
-          "with HiLoRe on (its memory feedback resets the device's peak counter); `hilore-verl bench` on the GPU "
-          "measures both methods' peaks alike."]
+         "| method | update_actor s | ratio to GC | per token ms | ratio to GC | peak allocated GiB | ratio to GC |",
+         "|---|---|---|---|---|---|---|"]
+for method, t, per, peak in rows:
+    lines.append(f"| {method} | {t:.2f} | {t / rows[0][1]:.3f} | {per:.4f} | {per / rows[0][2]:.3f} | "
+                 f"{peak:.2f} | {peak / rows[0][3]:.3f} |")
+lines += ["", "Peak: the largest `perf/max_memory_allocated_gb` over the steps, one mini-batch's peak in both arms "
+          "(HILORE_VERL_PEAK_PER_MINI_BATCH=1: verl's engine resets the counter as each mini-batch starts, as "
+          "HiLoRe's does)."]
 open(report, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

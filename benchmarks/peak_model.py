@@ -1,0 +1,64 @@
+"""The memory model's predicted peak against the bytes tensors hold, for the plans of several budgets.
+
+    OMP_NUM_THREADS=2 python benchmarks/peak_model.py [--budgets 1.0,1.1,1.25,1.5] [--hidden 384 --layers 6 ...]
+
+Builds HiLoRe's planner on the bench's workload (every response trained, attention per sequence, as
+`hilore-verl bench --zero-advantage-share 0` runs it), then for each gc_ratio budget runs the plan the
+solver chooses there through the runtime on the bench's micro-batch, starting without gradients (the
+first micro-batch after zero_grad), and prints the plan, the model's peak and the tensors' peak (the
+state the pass starts with plus the most its allocations reach: hilore_verl.peak_memory.allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hilore_verl.bench import methods as M
+from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
+from hilore_verl.peak_memory import allocations
+from hilore_verl.planner import BudgetConfig, Controller
+
+MiB = 2**20
+
+
+def state_bytes(method) -> int:
+    tensors = [t for p in method.model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for s in method.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", default="1.0,1.1,1.25,1.5", help="gc_ratio budgets, comma-separated")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--response-len", type=int, default=192)
+    args = parser.parse_args()
+    config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, num_groups=args.groups,
+                         max_response_len=args.response_len, zero_advantage_share=0.0, per_sequence_attention=True)
+    batch = make_batch(config)
+    method = M.build("hilore", config, batch, BudgetConfig("gc_ratio", 1.10))
+    method.step(batch)  # the optimizer's moments exist from here on
+    c, tokens, micro = method.controller, layer_tokens(method.model, batch), method.trained(batch)
+    print(f"{tokens} tokens per micro-batch, probe {c.costs.tokens}")
+    for ratio in (float(b) for b in args.budgets.split(",")):
+        ctl = Controller(c.runtime, c.costs, c.risk, BudgetConfig("gc_ratio", ratio), static_bytes=c.static_bytes,
+                         gradient_bytes=c.gradient_bytes, risk_budget=c.risk_budget)
+        plan = ctl.plan_for(tokens, row=tokens)
+        method.runtime.set_plan(ctl.runtime_plan(plan))
+        method.optimizer.zero_grad(set_to_none=True)
+        measured = state_bytes(method) + allocations(lambda: method.passes.loss(micro).backward()).peak
+        method.optimizer.zero_grad(set_to_none=True)
+        counts: dict[str, int] = {}
+        for choice in plan.values():
+            counts[str(choice)] = counts.get(str(choice), 0) + 1
+        predicted = ctl.predicted_peak(plan, tokens, gradients=False)
+        print(f"budget {ratio:g}x GC: {counts}; predicted {predicted / MiB:.1f} MiB, measured {measured / MiB:.1f} "
+              f"MiB, predicted / measured {predicted / measured:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
