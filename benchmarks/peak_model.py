@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
+from hilore_verl.bench.peak import state_bytes
 from hilore_verl.peak_memory import allocations
 from hilore_verl.planner import BudgetConfig, Controller
 
 MiB = 2**20
-
-
-def state_bytes(method) -> int:
-    tensors = [t for p in method.model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [v for s in method.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def main() -> None:
@@ -50,7 +43,8 @@ def main() -> None:
         plan = ctl.plan_for(tokens, row=tokens)
         method.runtime.set_plan(ctl.runtime_plan(plan))
         method.optimizer.zero_grad(set_to_none=True)
-        measured = state_bytes(method) + allocations(lambda: method.passes.loss(micro).backward()).peak
+        start = state_bytes(method.model, method.optimizer)
+        measured = start + allocations(lambda: method.passes.loss(micro).backward()).peak
         method.optimizer.zero_grad(set_to_none=True)
         counts: dict[str, int] = {}
         for choice in plan.values():

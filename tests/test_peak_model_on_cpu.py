@@ -7,6 +7,7 @@ import torch
 
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
+from hilore_verl.bench.peak import state_bytes
 from hilore_verl.peak_memory import allocations
 from hilore_verl.planner import BudgetConfig
 
@@ -36,12 +37,6 @@ CONFIG = BenchConfig(hidden_size=192, num_layers=3, vocab_size=2048, num_groups=
                      max_response_len=128, zero_advantage_share=0.0, per_sequence_attention=True, profile_tokens=2048)
 
 
-def _state_bytes(method) -> float:
-    tensors = [t for p in method.model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [v for s in method.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return float(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
-
-
 @pytest.fixture(scope="module")
 def planner():
     batch = make_batch(CONFIG)
@@ -65,7 +60,7 @@ def _gc_peaks(method, batch) -> dict[bool, tuple[float, float]]:
         method.optimizer.zero_grad(set_to_none=not gradients)
         if gradients:
             run()  # the gradients allocated; the measured pass accumulates into them in place
-        measured = _state_bytes(method) + allocations(run).peak
+        measured = state_bytes(method.model, method.optimizer) + allocations(run).peak
         out[gradients] = (c.predicted_peak(c.gc_plan(), tokens, gradients=gradients), measured)
     method.optimizer.zero_grad(set_to_none=True)
     return out

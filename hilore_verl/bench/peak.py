@@ -79,7 +79,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     if not cuda:  # one more step with the allocator's events followed: the bytes tensors held at most
         from hilore_verl.peak_memory import allocations
 
-        alive = _state_bytes(built.model, built.optimizer)
+        alive = state_bytes(built.model, built.optimizer)
         tensors = (alive + allocations(lambda: built.step(batch)).peak) // 1024
     held = None
     if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
@@ -90,7 +90,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
             "arm": arm, "tensor_peak_kib": tensors}
 
 
-def _state_bytes(model, optimizer) -> int:
+def state_bytes(model, optimizer) -> int:
     """Bytes of the tensors a step starts with: parameters, their gradients and the optimizer's state."""
     import torch
 
