@@ -23,6 +23,9 @@ class FixedPlan(Controller):
     def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
         return dict(self.fixed), False
 
+    def _keeps_all(self, tokens: int, row: int) -> bool:
+        return False  # its plan, even where keeping every unit would fit
+
 
 def candidate_controllers(chosen: Controller, count: int, tokens: int) -> list[FixedPlan]:
     """Up to `count` runner-ups of the plan `chosen` gave its last micro-batch (at `tokens`, that micro-batch's

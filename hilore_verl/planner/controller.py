@@ -201,9 +201,7 @@ class Controller(PlanSearch):
                (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
         keep = self._all(KEEP)
-        # every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding
-        fits_kept = self.predicted_peak(keep, tokens) <= self.limit(row)
-        cached = (keep, False) if fits_kept else self._cache.get(key)
+        cached = (keep, False) if self._keeps_all(tokens, row) else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
                 cached = self._cache[key] = self._choose(l2, bucket, allowance, bucket_row)
@@ -229,6 +227,10 @@ class Controller(PlanSearch):
         if len(self.history) > HISTORY_KEPT:  # a long run plans millions of micro-batches
             del self.history[:-HISTORY_KEPT // 4]
         return plan
+
+    def _keeps_all(self, tokens: int, row: int) -> bool:
+        """Every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding."""
+        return self.predicted_peak(self._all(KEEP), tokens) <= self.limit(row)
 
     def runtime_plan(self, plan: dict[str, UnitPlan]) -> dict[str, UnitPlan]:
         """`plan` as the runtime runs it: compressed units round stochastically when the controller was
