@@ -108,11 +108,11 @@ def _audit_and_oom(rank, world_size, model_dir, batch):
     out1, _ = step(engine)  # audited step
     plan_micro_batch, calls = engine.controller.plan_micro_batch, []
 
-    def out_of_memory_once(index):
+    def out_of_memory_once(index, gradients=True):
         calls.append(index)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("injected: out of memory")
-        return plan_micro_batch(index)
+        return plan_micro_batch(index, gradients)
 
     engine.controller.plan_micro_batch = out_of_memory_once
     engine.controller.audit.every = 1000  # no audit in the step that runs out of memory
