@@ -58,7 +58,10 @@ def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_prob
         m = s["data"]
         assert m["actor/kl_coef"] > 0 and "actor/kl_loss" in m  # the KL loss is on
         assert m["actor/hilore/plan/predicted_peak_gib"] <= m["actor/hilore/plan/budget_gib"] * 1.0001
-        assert m["actor/hilore/audit/cosine"] >= 0.999, m  # exact plans on this tiny model
+        # the plans may compress where the measured transient leaves room (risk budget 0.01): the audit
+        # runs and reads a close gradient; its own check of measured against predicted error is
+        # tests/test_hilore_engine_on_cpu.py's
+        assert m["actor/hilore/audit/cosine"] >= 0.99, m
         assert m["actor/hilore/oom_retries"] == 0
     assert (ckpt / "global_step_2" / "actor").is_dir()
 
