@@ -69,7 +69,7 @@ def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_prob
     assert rc == 0, out[-6000:]
     assert [s["step"] for s in resumed] == [3]
     assert "resumed from the checkpoint's costs and calibration" in out and "profiled on" not in out
-    assert resumed[0]["data"]["actor/hilore/audit/cosine"] >= 0.999
+    assert resumed[0]["data"]["actor/hilore/audit/cosine"] >= 0.99  # as above
 
 
 def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
