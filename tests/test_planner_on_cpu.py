@@ -378,7 +378,7 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
     text = dump_state(state)
-    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 3
+    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 4
     loaded = load_state(text, [u.name for u in rt.units])
     assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
     assert Controller.costs_from_state(loaded) == costs
@@ -409,8 +409,9 @@ def test_a_version_1_state_loads_with_its_second_risk_budget_dropped(tiny):
 
 
 def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(tiny):
-    """Versions 1 and 2 had no measured transient: such a state loads with transient_bytes 0, and its
-    table reserves its largest unit's saved bytes, as it planned when it was saved; version 3 needs it."""
+    """Versions 1 and 2 had no measured transient (nor 1-3 weight copies per unit): such a state loads
+    with transient_bytes 0 (and fixed_bytes 0), and its table reserves its largest unit's saved bytes,
+    as it planned when it was saved; versions 3 and 4 need it."""
     from hilore_verl.planner.state import dump_state, load_state
 
     _, rt, _, _, costs = tiny
@@ -421,8 +422,10 @@ def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(t
     with pytest.raises(ValueError, match="missing gradients_at_peak, transient_bytes, transient_fixed"):
         load_state(json.dumps(doc))
     doc["version"] = 2
+    for unit in doc["state"]["costs"]["units"]:  # nor weight copies per unit (version 4)
+        del unit["fixed_bytes"]
     table = Controller.costs_from_state(load_state(json.dumps(doc), [u.name for u in rt.units]))
-    assert table.transient_bytes == 0.0
+    assert table.transient_bytes == 0.0 and all(u.fixed_bytes == 0.0 for u in table.units)
     largest = max(table.grow(u.saved_bytes, u.saved_quadratic, 3 * table.tokens) for u in table.units)
     assert table.transient(3 * table.tokens) == largest
 
@@ -438,7 +441,7 @@ def _edit(text, change):
     ("not utf-8", "not JSON"),
     ("a list", "not a hilore-verl controller state"),
     ("foreign", "not a hilore-verl controller state"),
-    ("version", "version 4; this hilore-verl reads versions 1, 2, 3"),
+    ("version", "version 5; this hilore-verl reads versions 1, 2, 3, 4"),
     ("nan", "non-finite number NaN"),
     ("huge", "valid: a finite number >= 0"),
     ("string", r"state.costs.units\[0\].saved_bytes: got '12'; valid: a finite number >= 0"),
@@ -466,7 +469,7 @@ def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, mat
         "not utf-8": lambda: b"\xff\xfe\xfa garbage",
         "a list": lambda: "[1, 2, 3]",
         "foreign": lambda: json.dumps({"step": 3, "state": {}}),
-        "version": lambda: text.replace('"version": 3', '"version": 4'),
+        "version": lambda: text.replace('"version": 4', '"version": 5'),
         "nan": lambda: _edit(text, lambda s: s.update(risk_budget=1.0)).replace('"risk_budget": 1.0',
                                                                                   '"risk_budget": NaN'),
         "huge": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(held_bytes=1.0)).replace(
@@ -496,10 +499,11 @@ def test_ranks_average_every_float_field_of_the_cost_table():
     costs = CostTable([UnitProfile("a", 10.0, 2.0, 1e-3, 0.5), UnitProfile("b", 20.0, 4.0, 2e-3)], tokens=64,
                       unmanaged_bytes=7.0, region_saving_bytes=3.0)
     values = measured_values(costs)
-    # per unit: saved, held, forward, compressible, two quadratic shares and the forward's fixed share;
+    # per unit: saved, held, forward, compressible, two quadratic shares, the forward's fixed share and
+    # the weight copies;
     # the table's unmanaged, codec, host, region saving, unmanaged quadratic share, runtime overhead,
     # transient (bytes, fixed share, gradients' share) and kept pass: a new float field is averaged too
-    assert len(values) == 2 * 7 + 10 and 3.0 in values
+    assert len(values) == 2 * 8 + 10 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 

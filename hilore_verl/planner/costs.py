@@ -12,10 +12,13 @@ unit (at least 64 MiB on a GPU), the copies as the offload makes them (pinned, o
 Per unit u with saved bytes S_u, held-for-recompute bytes H_u (linear), forward time F_u and
 compressible share c_u (the rest, e.g. -inf masks, stays exact on the device), so scaled:
 
-    keep        memory S_u                          time 0
-    recompute   memory H_u                          time F_u             transient S_u in its backward
-    fmt         memory S_u (c_u r_fmt + 1 - c_u)    time 2 S_u / codec_bw    r_fmt = codes + scales + flags per byte
-    fmt+offload memory S_u (1 - c_u)                time 2 S_u / codec_bw + 2 S_u c_u r_fmt / host_bw
+    keep        memory S_u + W_u                          time 0
+    recompute   memory H_u                                time F_u             transient S_u in its backward
+    fmt         memory S_u (c_u r_fmt + 1 - c_u) + W_u    time 2 S_u / codec_bw    r_fmt = codes + scales + flags per byte
+    fmt+offload memory S_u (1 - c_u) + W_u                time 2 S_u / codec_bw + 2 S_u c_u r_fmt / host_bw
+
+W_u (not scaled): the low-precision weight copies the unit's calls save under autocast, held as they
+are unless the unit recomputes (its re-run casts again).
 
 What a unit keeps exact in every mode (its pinned bytes: a standalone call's inputs, made before it)
 is fixed memory, no option of the unit: the profile counts it with the unmanaged bytes.
@@ -46,6 +49,9 @@ class UnitProfile:
     saved_quadratic: float = 0.0  # share of saved_bytes that grows with tokens squared (a dense mask over a packed row)
     forward_quadratic: float = 0.0  # the same for forward_s (attention over a packed row)
     forward_fixed: float = 0.0  # share of forward_s that does not grow with tokens (per-call overhead, launches)
+    fixed_bytes: float = 0.0
+    """What it holds beside its saves while kept or compressed, whatever the tokens: the low-precision
+    weight copies its calls save (autocast's casts), which its re-run makes again when recomputed."""
 
 
 @dataclass
@@ -121,7 +127,8 @@ class CostTable:
         S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
         H = unit.held_bytes * self.scale(tokens)  # its own inputs; its layer's region: `held`
         F = self.forward(unit, tokens)
-        opts = [Option(KEEP, S, 0.0), Option(RECOMPUTE, H, F)]
+        W = unit.fixed_bytes  # weight copies: held as they are unless it recomputes
+        opts = [Option(KEEP, S + W, 0.0), Option(RECOMPUTE, H, F)]
         if S > 0:
             for fmt in self.formats:
                 plan = UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.group_size)
@@ -130,9 +137,9 @@ class CostTable:
                 codes = S * c * payload_ratio(fmt, self.element_size, self.group_size)
                 exact = S * (1 - c)  # kept exact on the device (e.g. -inf masks), offloaded or not
                 codec_s = 2 * S / self.codec_bytes_per_s
-                opts.append(Option(plan, codes + exact, codec_s, r))
+                opts.append(Option(plan, codes + exact + W, codec_s, r))
                 if self.offload:  # offload does not change the error
-                    opts.append(Option(dataclasses.replace(plan, offload=True), exact,
+                    opts.append(Option(dataclasses.replace(plan, offload=True), exact + W,
                                        codec_s + 2 * codes / self.host_bytes_per_s, r))
         return opts
 
@@ -189,8 +196,10 @@ class CostTable:
         return (held + inputs) * k
 
     def stored_share(self, unit: UnitProfile, choice: UnitPlan, kept: float, memory: float) -> float:
-        """What a unit's plan holds of a byte it keeps: its option's share of its saved bytes, or for a unit
-        that saves nothing itself (its outputs are held only for a re-run) the format's payload ratio."""
+        """What a unit's plan holds of a byte it keeps: its option's share of its saved bytes (`kept`,
+        `memory`: its keep option's and its plan's option's memory, weight copies included), or for a
+        unit that saves nothing itself (its outputs are held only for a re-run) the format's payload ratio."""
+        kept, memory = kept - unit.fixed_bytes, memory - unit.fixed_bytes
         if kept > 0:
             return memory / kept
         if choice.exact:

@@ -79,8 +79,9 @@ def _total(stats: RuntimeStats) -> int:
 
 
 def _outside(stats: RuntimeStats) -> int:
-    """What a probe's forward left held outside every unit."""
-    return stats.unmanaged_bytes + stats.unmanaged_held_bytes + stats.index_bytes
+    """What a probe's forward left held outside every unit (weight copies are their units')."""
+    copies = sum(u.copy_bytes for u in stats.units.values())
+    return stats.unmanaged_bytes - copies + stats.unmanaged_held_bytes + stats.index_bytes
 
 
 def quadratic_share(small: float, large: float, r: float) -> float:
@@ -203,7 +204,8 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     that never ran is a unit map that does not fit the model: ValueError.
 
         1. GC's plan                                what a layer recomputed as one region holds
-        2. each probed layer kept (one probe each)  saved bytes per group; unmanaged bytes per layer
+        2. each probed layer kept (one probe each)  saved bytes and weight copies per group; unmanaged
+                                                    bytes per layer
         3. the probed layers and the head int8      the compressible share per group
         4. per unit of a probed layer: recomputed, the rest of its layer kept
                                                     what a recomputed unit still holds, and what its
@@ -231,7 +233,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     _check_every_unit_ran(runtime, probes.times)
     units = _unit_profiles(probes, stats, element_size)
     unmanaged = max(_held_all_kept(probes, stats.whole, stats.keeps)
-                    - sum(u.saved_bytes for u in units), 0.0)  # residual stream, masks, pinned
+                    - sum(u.saved_bytes + u.fixed_bytes for u in units), 0.0)  # residual stream, masks, pinned
     unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
         unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic)
@@ -348,13 +350,15 @@ def _unit_profiles(probes: _Probes, stats: _ProbeStats, element_size: int) -> li
     group = probes.group
     first = next(iter(stats.keeps.values()), stats.whole)
     r8 = payload_ratio("int8", element_size)
-    figures = {}  # group -> (saved bytes, compressible share), from the probed layers and the head
+    figures = {}  # group -> (saved bytes, compressible share, weight copies), from the probed layers and the head
     for u in probes.probed + probes.heads:
         keep = stats.keeps.get(u.layer_index, first)
         saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(stats.int8, u.name, "stored_bytes")
-        figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0)
+        figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0,
+                                  float(keep.units[u.name].copy_bytes))
     return [UnitProfile(u.name, figures[group[u.name]][0], stats.held[group[u.name]], probes.times[u.name],
-                        figures[group[u.name]][1], replay=dict(stats.replay.get(group[u.name], {})))
+                        figures[group[u.name]][1], replay=dict(stats.replay.get(group[u.name], {})),
+                        fixed_bytes=figures[group[u.name]][2])
             for u in probes.runtime.units]
 
 

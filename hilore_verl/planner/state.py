@@ -16,10 +16,11 @@ from hilore_verl import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
 
 STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 3
+STATE_VERSION = 4
 # read too: version 1 also held the audit's copy of the risk budget (audit_budget); versions 1 and 2 had
-# no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned)
-OLD_VERSIONS = (1, 2)
+# no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned);
+# versions 1 to 3 no weight copies per unit (units' fixed_bytes: 0, their unmanaged bytes held them)
+OLD_VERSIONS = (1, 2, 3)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
 
 
@@ -61,6 +62,10 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     _keys("state", state, fields | {"audit_budget"} if version == 1 else fields)
     if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and "transient_bytes" not in state["costs"]:
         state["costs"].update(transient_bytes=0.0, transient_fixed=0.0, gradients_at_peak=1.0)
+    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and isinstance(state["costs"].get("units"), list):
+        for unit in state["costs"]["units"]:
+            if isinstance(unit, dict):
+                unit.setdefault("fixed_bytes", 0.0)
     _check_costs(state["costs"], unit_names)
     names = [u["name"] for u in state["costs"]["units"]]
     if state["risk"] is not None:
@@ -103,7 +108,7 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
         _keys(where, unit, {f.name for f in dataclasses.fields(UnitProfile)})
         if not isinstance(unit["name"], str):
             raise ValueError(f"{where}.name: expected a string, got {unit['name']!r}")
-        for key in ("saved_bytes", "held_bytes", "forward_s"):
+        for key in ("saved_bytes", "held_bytes", "forward_s", "fixed_bytes"):
             _number(f"{where}.{key}", unit[key], lambda v: v >= 0, ">= 0")
         _number(f"{where}.compressible", unit["compressible"], lambda v: 0 <= v <= 1, "in [0, 1]")
         if not isinstance(unit["replay"], dict) or not all(isinstance(k, str) for k in unit["replay"]):

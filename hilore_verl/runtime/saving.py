@@ -155,7 +155,8 @@ class SavedTensorHooks:
         if kind or t.dtype not in FLOAT_DTYPES or small:
             leaf = kind == "leaf"
             kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
-            fwd.stats.add_unmanaged(kept.tensor, leaf)  # the stats watch what lives as long as the graph
+            # the stats watch what lives as long as the graph; a weight copy is its call's unit's
+            fwd.stats.add_unmanaged(kept.tensor, leaf, frame.unit if kind == "copy" and frame is not None else None)
             return kept
         entry = self._fwd.lookup(t)
         if entry is not None:

@@ -37,6 +37,10 @@ class UnitStats:
     statistic_bytes: int = 0
     """Part of stored_bytes kept exact by rule under compression: per-row statistics (a norm's
     reciprocal RMS, attention's log-sum-exp), see `saving.is_row_statistic`."""
+    copy_bytes: int = 0
+    """Low-precision copies of parameters (autocast's casts) its calls saved while it keeps or compresses:
+    part of the unmanaged bytes (held as they are), of a size that does not follow the tokens; a
+    recomputed unit's re-run makes them again, so it holds none."""
 
     def plus(self, other: "UnitStats") -> "UnitStats":
         return UnitStats(other.mode, **{f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -109,6 +113,7 @@ class StepStats:
     incompressible: list[int] = field(default_factory=list)
     pinned: list[int] = field(default_factory=list)
     statistic: list[int] = field(default_factory=list)
+    copies: list[int] = field(default_factory=list)
     unmanaged_bytes: int = 0
     parameter_saves: int = 0
     index_bytes: int = 0
@@ -121,7 +126,7 @@ class StepStats:
     @classmethod
     def empty(cls, units) -> "StepStats":
         n = len(units)
-        return cls([u.name for u in units], *([0] * n for _ in range(7)))
+        return cls([u.name for u in units], *([0] * n for _ in range(8)))
 
     def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
             incompressible: bool = False, pinned: bool = False, statistic: bool = False):
@@ -142,7 +147,9 @@ class StepStats:
         self.statistic[i] += size if statistic else 0
         return i
 
-    def add_unmanaged(self, t: torch.Tensor, is_parameter: bool) -> None:
+    def add_unmanaged(self, t: torch.Tensor, is_parameter: bool, copy_of=None) -> None:
+        """Count a tensor saved outside every unit's accounting; `copy_of`: the unit whose call saved it,
+        where it is a low-precision copy of a parameter (counted in the unit's `copy_bytes` too)."""
         if is_parameter:
             self.parameter_saves += 1
             return
@@ -154,6 +161,8 @@ class StepStats:
             self.saved_whole.put((key[0],), t, True)
             if t.is_floating_point():
                 self.unmanaged_bytes += t.numel() * t.element_size()
+                if copy_of is not None:
+                    self.copies[copy_of.index] += t.numel() * t.element_size()
             else:
                 self.index_bytes += t.numel() * t.element_size()
 
@@ -198,7 +207,7 @@ class StepStats:
         units = {name: UnitStats(str(plans[i]), saved_bytes=self.saved[i], stored_bytes=self.stored[i],
                                  tensors=self.tensors[i], nonfinite=self.nonfinite[i],
                                  incompressible=self.incompressible[i], pinned_bytes=self.pinned[i],
-                                 statistic_bytes=self.statistic[i])
+                                 statistic_bytes=self.statistic[i], copy_bytes=self.copies[i])
                  for i, name in enumerate(self.names)}
         unmanaged_held = 0
         for item in self.held_items:
