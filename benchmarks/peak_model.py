@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from hilore_verl.bench import methods as M
-from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
+from hilore_verl.bench.actor_update import BenchConfig, make_batch
 from hilore_verl.bench.peak import state_bytes
 from hilore_verl.peak_memory import allocations
 from hilore_verl.planner import BudgetConfig, Controller
@@ -35,7 +35,7 @@ def main() -> None:
     batch = make_batch(config)
     method = M.build("hilore", config, batch, BudgetConfig("gc_ratio", 1.10))
     method.step(batch)  # the optimizer's moments exist from here on
-    c, tokens, micro = method.controller, layer_tokens(method.model, batch), method.trained(batch)
+    c, tokens, micro = method.controller, method.layer_tokens(batch), method.trained(batch)
     print(f"{tokens} tokens per micro-batch, probe {c.costs.tokens}")
     for ratio in (float(b) for b in args.budgets.split(",")):
         ctl = Controller(c.runtime, c.costs, c.risk, BudgetConfig("gc_ratio", ratio), static_bytes=c.static_bytes,

@@ -102,9 +102,11 @@ def _profile(config: HiLoReConfig, runtime: Runtime, passes, collectives, batch)
     # sequences, not with the tokens); every rank the same way
     dense = passes.row_attention and passes.layer_tokens(batch) == sum(lengths)
     quadratic = collectives.reduce([float(dense)], "min")[0] > 0
+    heads = (passes.head_rows(batch), passes.head_rows(small) if small is not None else None)
     return profile(runtime, run(batch), passes.layer_tokens(batch), element_size=passes.element_size,
                    formats=config.formats, offload=config.offload, group_size=config.group_size,
-                   quadratic=quadratic, small=None if small is None else (run(small), passes.layer_tokens(small)))
+                   quadratic=quadratic, small=None if small is None else (run(small), passes.layer_tokens(small)),
+                   head_rows=None if heads[0] is None else heads)
 
 
 def _calibrate(config: HiLoReConfig, runtime: Runtime, passes, micro_batches: list, bound: int) -> RiskModel:

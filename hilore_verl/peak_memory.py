@@ -27,6 +27,7 @@ reason, and the session plans without the feedback (and says so once).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,7 @@ import torch
 from hilore_verl import host_memory
 
 CLEAR_REFS = "/proc/self/clear_refs"
+AUTOGRAD_ENGINE = "autograd::engine::"  # the profiler's name for the backward's nodes
 HOST_NOISE_BYTES = 64 * 2**20
 DEVICE_NOISE_BYTES = 20 * 2**20  # the caching allocator's largest segment rounding
 
@@ -94,6 +96,11 @@ class Allocations:
     during: float  # the same counting only what the call also freed
     kept: float  # allocated by the call, alive when it returned
     kept_at_peak: float  # of `kept`, what was allocated already when `during` was at its most
+    forward_during: float = 0.0
+    """`during` at its most before the autograd engine's first allocation (a training pass's forward);
+    the call's `during` where it ran no backward."""
+    backward_during: float = 0.0  # `during` at its most from the autograd engine's first allocation on (0: none)
+    backward_kept: float = 0.0  # of `kept`, what was allocated already then
 
 
 def allocations(fn: Callable[[], object], device: torch.device | str = "cpu") -> Allocations:
@@ -106,12 +113,16 @@ def allocations(fn: Callable[[], object], device: torch.device | str = "cpu") ->
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     kind = torch.device(device).type
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    events, stack = [], [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    backward_from = math.inf  # the autograd engine's first allocation: the backward starts there
     while stack:
-        e = stack.pop()
-        stack.extend(e.children)
+        e, engine = stack.pop()
+        engine = engine or e.name.startswith(AUTOGRAD_ENGINE)
+        stack.extend((child, engine) for child in e.children)
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == kind:
             events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+            if engine and e.extra_fields.alloc_size > 0:
+                backward_from = min(backward_from, e.start_time_ns)
     if not events:
         raise RuntimeError(f"the profiler reported no {kind} allocations: its memory events are not available here")
     events.sort()
@@ -124,7 +135,8 @@ def allocations(fn: Callable[[], object], device: torch.device | str = "cpu") ->
     kept_at = set(last.values())
     live: dict[int, tuple[int, bool]] = {}  # address -> (bytes, kept)
     total = during = peak = peak_during = kept_at_peak = 0
-    for i, (_, ptr, size) in enumerate(events):
+    phases = [[0, 0], [0, 0]]  # forward, backward: [during at its most, kept then]
+    for i, (at, ptr, size) in enumerate(events):
         if size > 0:
             live[ptr] = (size, i in kept_at)
             total += size
@@ -136,4 +148,8 @@ def allocations(fn: Callable[[], object], device: torch.device | str = "cpu") ->
         peak = max(peak, total)
         if during > peak_during:
             peak_during, kept_at_peak = during, total - during
-    return Allocations(float(peak), float(peak_during), float(sum(events[i][2] for i in kept_at)), float(kept_at_peak))
+        phase = phases[at >= backward_from]
+        if during > phase[0]:
+            phase[:] = [during, total - during]
+    return Allocations(float(peak), float(peak_during), float(sum(events[i][2] for i in kept_at)), float(kept_at_peak),
+                       float(phases[0][0]), float(phases[1][0]), float(phases[1][1]))

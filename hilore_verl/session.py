@@ -56,6 +56,7 @@ class Passes(Protocol):
 
     def lengths(self, batch) -> list[int]: ...  # tokens per sequence
     def layer_tokens(self, batch) -> int: ...  # tokens the layers compute: sum(lengths), fewer with shared prompts
+    def head_rows(self, batch) -> int | None: ...  # rows the head's log-prob code computes; None: layer_tokens
     def select(self, batch, index: list[int]): ...  # the sequences `index` of a micro-batch
     def train_pass(self, batch) -> None: ...  # forward + backward of the training loss, current plan
     def surrogate_gradient(self, plan: dict[str, UnitPlan], batch, c: torch.Tensor) -> "Gradient": ...  # risk.py
@@ -279,14 +280,18 @@ class Session:
         last, self._timed = self._timed, None  # the last mini-batch's (start, end), if timed
         seconds = -1.0 if last is None else self._device_clock().seconds(last[0], last[1])
         layers = [self.passes.layer_tokens(mb) for mb in micro_batches]
+        heads = [self.passes.head_rows(mb) for mb in micro_batches]  # None: every token (-1 over the wire)
         rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
-                                       + [float(t) for t in layers] + [seconds])
+                                       + [float(t) for t in layers] + [-1.0 if h is None else float(h) for h in heads]
+                                       + [seconds])
         squares = [sum(col) for col in zip(*(row[:n] for row in rows))]
         counts = [max(col) for col in zip(*(row[n:2 * n] for row in rows))]
         computed = [max(col) for col in zip(*(row[2 * n:3 * n] for row in rows))]
-        whole = [row[3 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
+        head = [max(col) for col in zip(*(row[3 * n:4 * n] for row in rows))]
+        whole = [row[4 * n] for row in rows]  # the slowest rank's, where every rank timed the last one
         self.controller.begin_mini_batch([math.sqrt(s) for s in squares], [int(t) for t in computed],
                                          row_tokens=[int(t) for t in counts],
+                                         head_rows=[None if h < 0 else int(h) for h in head],
                                          seconds=max(whole) if min(whole) > 0 else None)
 
     def _meter(self) -> PeakMeter:

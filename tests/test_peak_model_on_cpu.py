@@ -33,6 +33,32 @@ def test_allocations_count_by_address_what_a_call_freed_and_what_outlived_it():
     assert (first.peak, first.during, first.kept) == (3 * MiB, 3 * MiB, 0)
 
 
+def test_allocations_tell_the_forward_from_the_backward():
+    """A training pass's two phases, split where the autograd engine first allocates: the forward's
+    most (4 MiB of working memory beside its small output) and the backward's (6 MiB)."""
+
+    class Work(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            scratch = torch.empty(4 * MiB, dtype=torch.uint8)
+            del scratch
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            scratch = torch.empty(6 * MiB, dtype=torch.uint8)
+            del scratch
+            return g * 2
+
+    x = torch.randn(64, requires_grad=True)
+    got = allocations(lambda: Work.apply(x).sum().backward())
+    small = 64 * 1024  # the pass's own small tensors (x * 2, its gradient, the sum's)
+    assert 4 * MiB <= got.forward_during < 4 * MiB + small
+    assert 6 * MiB <= got.backward_during < 6 * MiB + small and got.during == got.backward_during
+    no_backward = allocations(lambda: Work.apply(x))
+    assert no_backward.backward_during == 0 and no_backward.forward_during == no_backward.during
+
+
 CONFIG = BenchConfig(hidden_size=192, num_layers=3, vocab_size=2048, num_groups=3, group_size=8, max_prompt_len=48,
                      max_response_len=128, zero_advantage_share=0.0, per_sequence_attention=True, profile_tokens=2048)
 
@@ -69,21 +95,23 @@ def _gc_peaks(method, batch) -> dict[bool, tuple[float, float]]:
 def test_the_predicted_peak_of_gc_plan_against_the_tensors_peak(planner):
     """GC's plan run through the runtime on a micro-batch about 8x the probe: static (its gradients as the
     micro-batch starts: absent after zero_grad, present for the next micro-batch) + held + the measured
-    transient, against the tensors alive at the start plus the most the pass allocated at once. At the
-    bench's three sizes this reads 0.93-1.03 (docs/design.md, "Memory model"); on this small model the
-    probe's fixed-size buffers, scaled with the tokens, read 1.11-1.13: the bound is 20% here. What the
-    gradients change is the model's own figure: the share of them the pass holds at its peak."""
+    transient of the phase that peaks higher, against the tensors alive at the start plus the most the
+    pass allocated at once: within 5% (measured 1.031-1.035 here; docs/design.md, "Memory model"). What
+    the gradients change is the model's own figure: none in the forward, the measured share of them at
+    the backward's peak."""
     method, batch = planner
     c = method.controller
     assert layer_tokens(method.model, batch) >= 6 * c.costs.tokens  # the model scales the probe's figures up
     assert c.costs.transient_bytes > 0 and 0 <= c.costs.gradients_at_peak <= 1
     peaks = _gc_peaks(method, batch)
     for gradients, (predicted, measured) in peaks.items():
-        assert predicted == pytest.approx(measured, rel=0.20), (gradients, predicted / MiB, measured / MiB)
+        print(f"\ngradients {gradients}: predicted / measured {predicted / measured:.3f}")
+        assert predicted == pytest.approx(measured, rel=0.05), (gradients, predicted / MiB, measured / MiB)
     grads = c.gradient_bytes
     assert grads == sum(p.numel() * p.element_size() for p in method.model.parameters())
+    # without gradients the forward holds none, the backward's peak the measured share of them
     modelled = peaks[True][0] - peaks[False][0]
-    assert modelled == pytest.approx((1 - c.costs.gradients_at_peak) * grads)
+    assert (1 - c.costs.gradients_at_peak) * grads - 1 <= modelled <= grads + 1
     assert modelled == pytest.approx(peaks[True][1] - peaks[False][1], abs=0.1 * grads)
 
 

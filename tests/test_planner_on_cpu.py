@@ -237,7 +237,8 @@ def _plans_on_rank(rank, world_size):
     _, rt, _, tokens, costs = _tiny_probe()
     costs = _gpu_like(costs)
     ctl = Controller(rt, costs, _flat_risk(costs.units), BudgetConfig("gc_ratio", 1.1), risk_budget=0.002)
-    session = Session(HiLoReConfig(), rt, SimpleNamespace(exposure_l2=lambda mb: mb[0], layer_tokens=lambda mb: mb[1]),
+    session = Session(HiLoReConfig(), rt, SimpleNamespace(exposure_l2=lambda mb: mb[0], layer_tokens=lambda mb: mb[1],
+                                                       head_rows=lambda mb: None),
                       DataParallel(None, 30))
     session.controller = ctl
 
@@ -499,11 +500,12 @@ def test_ranks_average_every_float_field_of_the_cost_table():
     costs = CostTable([UnitProfile("a", 10.0, 2.0, 1e-3, 0.5), UnitProfile("b", 20.0, 4.0, 2e-3)], tokens=64,
                       unmanaged_bytes=7.0, region_saving_bytes=3.0)
     values = measured_values(costs)
-    # per unit: saved, held, forward, compressible, two quadratic shares, the forward's fixed share and
-    # the weight copies;
+    # per unit: saved, held, forward, compressible, two quadratic shares, the forward's fixed share, the
+    # saves' element size and the weight copies;
     # the table's unmanaged, codec, host, region saving, unmanaged quadratic share, runtime overhead,
-    # transient (bytes, fixed share, gradients' share) and kept pass: a new float field is averaged too
-    assert len(values) == 2 * 8 + 10 and 3.0 in values
+    # backward's transient (bytes, fixed share, gradients' share), forward's (bytes, fixed share) and kept
+    # pass: a new float field is averaged too
+    assert len(values) == 2 * 9 + 12 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 

@@ -50,6 +50,9 @@ class PlainPasses:
     def layer_tokens(self, batch):
         return int(sum(self.lengths(batch)))
 
+    def head_rows(self, batch):
+        return None
+
     def select(self, batch, index):
         return {k: v[index] for k, v in batch.items()}
 

@@ -293,6 +293,11 @@ def layer_tokens(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
                               ShareRule.of(model))
 
 
+def head_rows(batch: dict[str, torch.Tensor]) -> int:
+    """Rows the head's log-prob code computes for `batch`: its response tokens (`indexed_log_probs`)."""
+    return int(batch["targets"].numel())
+
+
 def is_shared(model: torch.nn.Module) -> bool:
     """Whether the model's attention is the shared-prompt implementation (shared_prompt.install)."""
     return str(model.config._attn_implementation).startswith(ATTENTION_NAME)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hilore_verl import skip
-from hilore_verl.bench.actor_update import BenchConfig, forward_context, layer_tokens, loss_of, probe_batch, tokens_of
+from hilore_verl.bench.actor_update import (BenchConfig, forward_context, head_rows, layer_tokens, loss_of, probe_batch,
+                                        tokens_of)
+from hilore_verl.planner import Tokens
 from hilore_verl.session import SingleProcess
 
 
@@ -72,10 +74,11 @@ class Method:
         """Tokens of the batch this method forwards (what its planner plans for)."""
         return tokens_of(self.trained(batch))
 
-    def layer_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+    def layer_tokens(self, batch: dict[str, torch.Tensor]) -> Tokens:
         """Tokens its layers compute for the batch it forwards (fewer than `trained_tokens` where prompts
-        are shared)."""
-        return layer_tokens(self.model, self.trained(batch))
+        are shared), carrying the rows its head's log-prob code computes (the response tokens)."""
+        trained = self.trained(batch)
+        return Tokens(layer_tokens(self.model, trained), head_rows(trained))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

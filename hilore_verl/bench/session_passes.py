@@ -21,8 +21,8 @@ import torch
 import hilore_verl
 from hilore_verl import host_memory
 from hilore_verl.bench.method import Method, sync
-from hilore_verl.bench.actor_update import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, layer_tokens,
-                                        loss_of, make_optimizer, probe_batch, static_bytes, tokens_of)
+from hilore_verl.bench.actor_update import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, head_rows,
+                                        layer_tokens, loss_of, make_optimizer, probe_batch, static_bytes, tokens_of)
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.runtime import RECOMPUTE, UnitPlan
 from hilore_verl.session import Session
@@ -62,6 +62,9 @@ class BenchPasses:
 
     def layer_tokens(self, batch) -> int:
         return layer_tokens(self.model, batch)
+
+    def head_rows(self, batch) -> int:
+        return head_rows(batch)
 
     def select(self, batch, index: list[int]):
         return probe_batch(batch, index)

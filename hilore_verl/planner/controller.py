@@ -48,7 +48,7 @@ from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.step_time import StepTimeScale
 from hilore_verl.planner.budget import BudgetConfig
-from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.planner.costs import CostTable, Tokens, UnitProfile
 from hilore_verl.planner.search import PlanSearch
 from hilore_verl.planner.solver import Infeasible
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
@@ -96,7 +96,7 @@ class Controller(PlanSearch):
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
                              f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
         self._cache: dict[tuple, tuple[dict[str, UnitPlan], bool]] = {}  # key -> (plan, whether the arm chose it)
-        self._micro: list[tuple[float, int, int]] = []  # per micro-batch: (exposure, T, N) (module docstring)
+        self._micro: list[tuple[float, Tokens, Tokens]] = []  # per micro-batch: (exposure, T, N) (module docstring)
         self._predicted_peaks: list[float] = []  # this mini-batch's plans' predicted peaks, for end_mini_batch
         self.measured: tuple[float, float] | None = None  # the last mini-batch's (measured, predicted) peak
         self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
@@ -113,10 +113,14 @@ class Controller(PlanSearch):
 
     # ------------------------------------------------------------------ memory model
     def predicted_peak(self, plan: dict[str, UnitPlan], tokens: int, gradients: bool = True) -> float:
-        """static + held + transient. `gradients` False: a micro-batch that starts without gradients (the
-        first after zero_grad), whose peak holds the share of them allocated by then (measured)."""
-        absent = 0.0 if gradients else (1 - self.costs.gradients_at_peak) * self.gradient_bytes
-        return self.static_bytes - absent + self.held_bytes(plan, tokens) + self.costs.transient(tokens)
+        """static + held + the larger phase's transient (forward, backward). `gradients` False: a
+        micro-batch that starts without gradients (the first after zero_grad): its forward holds none,
+        its backward's peak the share of them allocated by then (measured)."""
+        held = self.static_bytes + self.held_bytes(plan, tokens)
+        absent = 0.0 if gradients else self.gradient_bytes
+        forward = held - absent + self.costs.forward_transient(tokens)
+        backward = held - absent * (1 - self.costs.gradients_at_peak) + self.costs.backward_transient(plan, tokens)
+        return max(forward, backward)
 
     def gc_plan(self) -> dict[str, UnitPlan]:
         """The plan a gc_ratio budget is a multiple of: gradient checkpointing as the model had it before
@@ -150,22 +154,25 @@ class Controller(PlanSearch):
     def activation_budget(self, tokens: int, row: int | None = None) -> float:
         row = tokens if row is None else row
         free = (self.memory_budget_at(row) * self.memory_factor - self.static_bytes
-                - self.costs.unmanaged(tokens) - self.costs.transient(tokens))
+                - self.costs.unmanaged(tokens) - max(self.costs.transient(tokens), self.costs.forward_transient(tokens)))
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
     def begin_mini_batch(self, exposure_l2: list[float], tokens: list[int],
-                         row_tokens: list[int] | None = None, seconds: float | None = None) -> None:
+                         row_tokens: list[int] | None = None, seconds: float | None = None,
+                         head_rows: list[int | None] | None = None) -> None:
         """Per micro-batch: exposure (L2 of c) and tokens its layers compute, as figures global to the
         data-parallel group (the session reduces them: sum of squares, max), so that micro-batch i gets
         the same plan on every rank; `row_tokens`: its ordinary packed row's, where the shared-prompt
-        layout computes fewer (default: `tokens`). `seconds`: the last mini-batch's measured time (the
+        layout computes fewer (default: `tokens`); `head_rows`: the rows its head's log-prob code computes
+        where the host says (costs.Tokens; default: every token). `seconds`: the last mini-batch's measured time (the
         slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py, over the
         modelled time of GC's plan on its micro-batches) and the measured step-time scale
         (planner/step_time.py)."""
         n = len(exposure_l2)
         row_tokens = list(tokens) if row_tokens is None else list(row_tokens)
-        if n != len(tokens) or n != len(row_tokens) or n == 0:
+        head_rows = [None] * n if head_rows is None else list(head_rows)
+        if n != len(tokens) or n != len(row_tokens) or n != len(head_rows) or n == 0:
             raise ValueError(f"need one exposure and one token count per micro-batch; got {n}, {len(tokens)} "
                              f"and {len(row_tokens)} row counts")
         if any(r < t for r, t in zip(row_tokens, tokens)):
@@ -177,7 +184,7 @@ class Controller(PlanSearch):
         self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
-        self._micro = [(float(e), int(t), int(r)) for e, t, r in zip(exposure_l2, tokens, row_tokens)]
+        self._micro = [(float(e), Tokens(t, h), Tokens(r, h)) for e, t, r, h in zip(exposure_l2, tokens, row_tokens, head_rows)]
         self._predicted_peaks = []
         self._audit_result = None
 
@@ -195,9 +202,11 @@ class Controller(PlanSearch):
         if they were there (every micro-batch's plan does), its predicted peak is what it will hold."""
         l2, tokens, row = self._micro[index]  # global figures: the same on every rank
         bucket = math.ceil(tokens / self.token_bucket) * self.token_bucket
-        bucket_row = math.ceil(row * bucket / tokens)  # the bucket at this micro-batch's share of its row
+        head = None if tokens.head is None else math.ceil(tokens.head * bucket / tokens)  # at the same share
+        bucket, bucket_row = Tokens(bucket, head), Tokens(math.ceil(row * bucket / tokens), head)  # ... of its row
         allowance = math.sqrt(self._allowance2)
-        key = (bucket, round(tokens / row, 2), round(l2 / allowance, 2) if allowance > 0 else
+        share = None if head is None else round(head / bucket, 2)
+        key = (bucket, round(tokens / row, 2), share, round(l2 / allowance, 2) if allowance > 0 else
                (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
         keep = self._all(KEEP)

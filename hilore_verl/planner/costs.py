@@ -35,6 +35,29 @@ from hilore_verl.kernels import FORMATS, payload_ratio
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, UnitPlan
 
+class Tokens(int):
+    """A micro-batch's size: the tokens its layers compute, carrying `head`, the rows its head's log-prob
+    code computes where the host says they are fewer (log-probs of the response tokens only; None:
+    every token). Arithmetic on it gives a plain int, whose head rows are taken at the probe's share."""
+
+    head: int | None
+
+    def __new__(cls, tokens: int, head: int | None = None):
+        made = super().__new__(cls, tokens)
+        made.head = None if head is None else int(head)
+        return made
+
+    def __repr__(self) -> str:
+        return f"Tokens({int(self)}, head={self.head})"
+
+    __str__ = int.__repr__  # printed as the count it is
+
+
+def head_rows(tokens: int) -> int | None:
+    """The head's rows `tokens` carries (None for a plain count)."""
+    return getattr(tokens, "head", None)
+
+
 @dataclass
 class UnitProfile:
     name: str
@@ -49,6 +72,9 @@ class UnitProfile:
     saved_quadratic: float = 0.0  # share of saved_bytes that grows with tokens squared (a dense mask over a packed row)
     forward_quadratic: float = 0.0  # the same for forward_s (attention over a packed row)
     forward_fixed: float = 0.0  # share of forward_s that does not grow with tokens (per-call overhead, launches)
+    element_size: float = 0.0
+    """Its saves' bytes per element, which a codec's payload follows (the head's fp32 log-softmax: 4;
+    0: the table's `element_size`)."""
     fixed_bytes: float = 0.0
     """What it holds beside its saves while kept or compressed, whatever the tokens: the low-precision
     weight copies its calls save (autocast's casts), which its re-run makes again when recomputed."""
@@ -75,33 +101,53 @@ class CostTable:
     """Per micro-batch: what running a plan through the runtime's hooks costs over the same exact plan run
     hands-off (HF checkpointing), measured at the probe; priced as fixed (it follows the saved-tensor count)."""
     transient_bytes: float = 0.0
-    """What a pass under GC's plan allocates at once beyond what its forward left held (backward's working
-    memory, what a recomputed layer regenerates, the head's log-softmax), measured at the probe from the
+    """What the backward of a pass under GC's plan allocates at once beyond what its forward left held
+    (its working memory, what a recomputed layer regenerates), measured at the probe from the
     allocator's events (peak_memory.allocations); grows as the units' saved bytes grow. 0: not measured,
     and the reserve is the largest unit's saved bytes."""
     transient_fixed: float = 0.0
     """Share of transient_bytes that does not grow with tokens (low-precision weight copies), measured
     against the small probe."""
+    forward_transient_bytes: float = 0.0
+    """The same for the forward: the most it allocates beyond what it leaves held (the head's logits and
+    log-softmax), measured with transient_bytes. A micro-batch peaks in whichever phase reaches higher:
+    the two grow differently (0: not measured, the backward's figure stands for both)."""
+    forward_transient_fixed: float = 0.0
+    """Share of forward_transient_bytes that does not grow with tokens."""
     gradients_at_peak: float = 1.0
     """Share of the gradients a pass that starts without them (the first micro-batch after zero_grad)
     has allocated when its transient peaks (measured with transient_bytes; 1: not measured)."""
+    head_rows: int = 0
+    """The probe's rows of the head's log-prob code, where the host said they are fewer than its tokens
+    (0: every token): the units outside the layers scale with those rows (`scale`)."""
     keep_pass_s: float = 0.0
     """One forward + backward of the probe with every unit kept, hands-off: the fastest measured pass under
     GC's plan less the table's own price of that plan's recompute (`seconds`), so that the whole pass, its
     backward and the parts outside units included, is measured rather than estimated. 0: not measured."""
 
-    def scale(self, tokens: int) -> float:
+    def scale(self, tokens: int, unit: UnitProfile | None = None) -> float:
+        """k: `tokens` over the probe's; for a unit outside the layers (the head), its rows over the probe's
+        where both are known (`Tokens.head`, `head_rows`): the head of a host that takes log-probs of the
+        response tokens only follows them, not the prompts."""
+        rows = head_rows(tokens)
+        if unit is not None and rows is not None and self.head_rows > 0 and not unit.name.startswith("layers."):
+            return rows / self.head_rows
         return tokens / self.tokens
 
-    def grow(self, value: float, quadratic: float, tokens: int, fixed: float = 0.0) -> float:
-        """A figure measured at the probe's tokens, at `tokens`: its quadratic share grows with k^2, its
-        fixed share not at all, the rest with k."""
-        k = tokens / self.tokens
+    def grow(self, value: float, quadratic: float, tokens: int, fixed: float = 0.0,
+             unit: UnitProfile | None = None) -> float:
+        """A figure (of `unit`) measured at the probe's tokens, at `tokens`: its quadratic share grows with
+        k^2, its fixed share not at all, the rest with k (`scale`)."""
+        k = self.scale(tokens, unit)
         return value * (fixed + (1 - fixed - quadratic) * k + quadratic * k * k)
+
+    def saved(self, unit: UnitProfile, tokens: int) -> float:
+        """A unit's saved bytes at `tokens`."""
+        return self.grow(unit.saved_bytes, unit.saved_quadratic, tokens, unit=unit)
 
     def forward(self, unit: UnitProfile, tokens: int) -> float:
         """A unit's forward time at `tokens` (what recomputing it costs)."""
-        return self.grow(unit.forward_s, unit.forward_quadratic, tokens, unit.forward_fixed)
+        return self.grow(unit.forward_s, unit.forward_quadratic, tokens, unit.forward_fixed, unit)
 
     def seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
         """What `plan` adds to a pass with every unit kept at `tokens`: recompute, codecs, copies."""
@@ -124,8 +170,8 @@ class CostTable:
     def options(self, unit: UnitProfile, tokens: int,
                 risk: Callable[[str, UnitPlan], float] | None = None) -> list[Option]:
         """keep, recompute, then each format (and its offloaded variant when enabled), at the table's group size."""
-        S = self.grow(unit.saved_bytes, unit.saved_quadratic, tokens)
-        H = unit.held_bytes * self.scale(tokens)  # its own inputs; its layer's region: `held`
+        S = self.saved(unit, tokens)
+        H = unit.held_bytes * self.scale(tokens, unit)  # its own inputs; its layer's region: `held`
         F = self.forward(unit, tokens)
         W = unit.fixed_bytes  # weight copies: held as they are unless it recomputes
         opts = [Option(KEEP, S + W, 0.0), Option(RECOMPUTE, H, F)]
@@ -134,7 +180,7 @@ class CostTable:
                 plan = UnitPlan(Mode.COMPRESS, fmt=fmt, group_size=self.group_size)
                 r = risk(unit.name, plan) if risk else math.inf  # no risk model: lossy is never free
                 c = unit.compressible
-                codes = S * c * payload_ratio(fmt, self.element_size, self.group_size)
+                codes = S * c * self.payload(unit, fmt, self.group_size)
                 exact = S * (1 - c)  # kept exact on the device (e.g. -inf masks), offloaded or not
                 codec_s = 2 * S / self.codec_bytes_per_s
                 opts.append(Option(plan, codes + exact + W, codec_s, r))
@@ -163,7 +209,7 @@ class CostTable:
             choice = plan.get(unit.name, KEEP)
             layers.setdefault(layer_of(unit.name), []).append(unit)
             if choice == RECOMPUTE:
-                held += unit.held_bytes * k
+                held += unit.held_bytes * self.scale(tokens, unit)
                 continue
             options = {o.plan: o for o in self.options(unit, tokens)}
             option = options.get(choice, options[KEEP])  # a unit with nothing saved has no lossy option
@@ -204,19 +250,49 @@ class CostTable:
             return memory / kept
         if choice.exact:
             return 1.0
-        return (1 - unit.compressible) + (0.0 if choice.offload else unit.compressible * payload_ratio(
-            choice.fmt, self.element_size, choice.group_size))
+        return (1 - unit.compressible) + (0.0 if choice.offload else unit.compressible * self.payload(
+            unit, choice.fmt, choice.group_size))
+
+    def payload(self, unit: UnitProfile, fmt: str, group_size: int) -> float:
+        """Payload bytes per byte of `unit`'s saves in `fmt` (codes and scales follow the elements)."""
+        return payload_ratio(fmt, unit.element_size or self.element_size, group_size)
 
     def transient(self, tokens: int) -> float:
-        """Reserve for what a pass allocates at once beyond what its forward held: the measured
-        `transient_bytes` grown as the units' saved bytes grow, or unmeasured, the largest unit's saved
-        bytes (what backward regenerates or dequantizes at once)."""
+        """Reserve for what the backward allocates at once beyond what the forward held: the measured
+        `transient_bytes` grown as the units' saved bytes grow (`_grown`), or unmeasured, the largest
+        unit's saved bytes (what backward regenerates or dequantizes at once)."""
         if self.transient_bytes > 0:
-            saved = sum(u.saved_bytes for u in self.units)
-            grown = sum(self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units)
-            growth = grown / saved if saved > 0 else self.scale(tokens)
-            return self.transient_bytes * (self.transient_fixed + (1 - self.transient_fixed) * growth)
-        return max((self.grow(u.saved_bytes, u.saved_quadratic, tokens) for u in self.units), default=0.0)
+            return self._grown(self.transient_bytes, self.transient_fixed, tokens)
+        return max((self.saved(u, tokens) for u in self.units), default=0.0)
+
+    def backward_transient(self, plan: dict[str, UnitPlan], tokens: int) -> float:
+        """`transient` for `plan`: the probe's backward (under GC's plan) regenerated a recomputed layer's
+        activations at once; a plan that recomputes less of its largest layer regenerates that much less
+        (`regenerated`). Unmeasured, `transient` as it is."""
+        if self.transient_bytes <= 0:
+            return self.transient(tokens)
+        return max(self.transient(tokens) - self.regenerated(None, tokens) + self.regenerated(plan, tokens), 0.0)
+
+    def regenerated(self, plan: dict[str, UnitPlan] | None, tokens: int) -> float:
+        """The most saved bytes one decoder layer's recomputed units make again in backward under `plan`
+        (None: GC's, every unit of the layers recomputed)."""
+        per_layer: dict[str, float] = {}
+        for u in self.units:
+            if u.name.startswith("layers.") and (plan is None or plan.get(u.name, KEEP) == RECOMPUTE):
+                per_layer[layer_of(u.name)] = per_layer.get(layer_of(u.name), 0.0) + self.saved(u, tokens)
+        return max(per_layer.values(), default=0.0)
+
+    def forward_transient(self, tokens: int) -> float:
+        """The same for the forward (`forward_transient_bytes`); 0 where not measured."""
+        return self._grown(self.forward_transient_bytes, self.forward_transient_fixed, tokens)
+
+    def _grown(self, value: float, fixed: float, tokens: int) -> float:
+        """A transient measured at the probe, at `tokens`: its share `fixed` as it is, the rest as the units'
+        saved bytes grow together (each unit by its own rows, `scale`)."""
+        saved = sum(u.saved_bytes for u in self.units)
+        grown = sum(self.saved(u, tokens) for u in self.units)
+        growth = grown / saved if saved > 0 else self.scale(tokens)
+        return value * (fixed + (1 - fixed) * growth)
 
 
 def layer_of(name: str) -> str:

@@ -186,14 +186,17 @@ class _ProbeStats:
 
 
 def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size: int = 2,
-            small: tuple[Callable[[], None], int] | None = None, quadratic: bool = True, **kwargs) -> CostTable:
+            small: tuple[Callable[[], None], int] | None = None, quadratic: bool = True,
+            head_rows: tuple[int, int | None] | None = None, **kwargs) -> CostTable:
     """Measure a CostTable with probe runs of one micro-batch; `run()` does its forward and backward.
     `small`: (run, tokens) of a probe of about half the tokens, on which the kept-layer and GC probes
     run again to find what grows faster than linearly (attention over a packed row: its dense mask and
     its time) and the fixed per-call part of unit times; without it every figure scales linearly.
     `quadratic` False: the second probe prices the fixed parts only (where its sequences are laid out
     unlike the micro-batches', e.g. sharing one prompt, growth between the two probes is not growth
-    with tokens).
+    with tokens). `head_rows`: the rows the head's log-prob code computes in the probe and the small
+    probe, where the host says they are fewer than the tokens (the response tokens): the units outside
+    the layers scale with those (CostTable.scale).
 
     Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
     as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
@@ -236,34 +239,42 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                     - sum(u.saved_bytes + u.fixed_bytes for u in units), 0.0)  # residual stream, masks, pinned
     unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
-        unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic)
+        heads = small[1] / tokens if head_rows is None or not head_rows[1] else head_rows[1] / head_rows[0]
+        unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic, heads)
     saving = _region_saving(probes, stats.whole, units, tokens, unmanaged, element_size)
     codec, host = _bandwidths(probes.clock, device, units, element_size)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
-                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead, **kwargs)
+                      unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead,
+                      head_rows=head_rows[0] if head_rows is not None else 0, **kwargs)
     table.keep_pass_s = _keep_pass_seconds(probes, stats.hands_off, table, tokens)
-    table.transient_bytes, table.transient_fixed, table.gradients_at_peak = _transient(
-        stats, small[1] / tokens if small is not None else None)
+    r = small[1] / tokens if small is not None else None
+    (table.transient_bytes, table.transient_fixed, table.gradients_at_peak,
+     table.forward_transient_bytes, table.forward_transient_fixed) = _transient(stats, r)
     return table
 
 
-def _transient(stats: _ProbeStats, r: float | None) -> tuple[float, float, float]:
-    """(bytes, fixed share, gradients' share) of what a pass under GC's plan allocates at once beyond what
-    its forward left held: probe 1's most bytes allocated and freed at once (`_ProbeStats.allocations`)
-    less what its forward held (`_total`, which the table's GC plan reproduces). Gradients outlive the
-    pass and are not counted (the static bytes hold them); the share of them allocated by that peak
-    (the probe starts without gradients) is the third figure. With the small probe (`r` = its tokens /
-    the probe's) the share that does not grow with tokens (autocast's low-precision weight copies,
-    gathered parameters). (0, 0, 1) where the allocator reported nothing: the table then reserves its
-    largest unit."""
+def _transient(stats: _ProbeStats, r: float | None) -> tuple[float, float, float, float, float]:
+    """(bytes, fixed share, gradients' share) of what the backward of a pass under GC's plan allocates at
+    once beyond what its forward left held, then (bytes, fixed share) of the same for its forward: probe
+    1's most bytes allocated and freed at once in each phase (`_ProbeStats.allocations`,
+    peak_memory.allocations) less what its forward held (`_total`, which the table's GC plan
+    reproduces). Gradients outlive the pass and are not counted (the static bytes hold them); the share
+    of them allocated by the backward's peak (the probe starts without gradients) is the third figure.
+    With the small probe (`r` = its tokens / the probe's) the shares that do not grow with tokens
+    (autocast's low-precision weight copies, gathered parameters). (0, 0, 1, 0, 0) where the allocator
+    reported nothing: the table then reserves its largest unit."""
     large, small = stats.allocations
     if large is None:
-        return 0.0, 0.0, 1.0
-    transient = max(large.during - _total(stats.whole), 0.0)
-    gradients = large.kept_at_peak / large.kept if large.kept > 0 else 1.0
+        return 0.0, 0.0, 1.0, 0.0, 0.0
+    held = _total(stats.whole)
+    backward = max(large.backward_during - held, 0.0)
+    forward = max(large.forward_during - held, 0.0)
+    gradients = large.backward_kept / large.kept if large.kept > 0 else 1.0
     if small is None or r is None:
-        return transient, 0.0, gradients
-    return transient, fixed_share(max(small.during - _total(stats.small_whole), 0.0), transient, r), gradients
+        return backward, 0.0, gradients, forward, 0.0
+    small_held = _total(stats.small_whole)
+    return (backward, fixed_share(max(small.backward_during - small_held, 0.0), backward, r), gradients,
+            forward, fixed_share(max(small.forward_during - small_held, 0.0), forward, r))
 
 
 def _followed(probes: _Probes, small_probe: bool) -> Allocations | None:
@@ -329,9 +340,11 @@ def _probe_recomputed(probes: _Probes, whole: RuntimeStats, keeps: dict[int, Run
                                                                 - _unpinned(keep, v.name, "stored_bytes"))
                                  for v in probes.probed if v.layer_index == u.layer_index and v is not u}
         replay[group[u.name]][""] = float(_outside(stats) - _outside(keep))
-    for h in probes.heads:  # what the model holds more with the head recomputed than with it kept, under GC
+    for h in probes.heads:  # what the model holds with the head recomputed, under GC: kept, it held its
+        # saves and its weight copies (which a recomputed head casts again)
         stats = probes.probe({h.name: RECOMPUTE})
-        held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes"), 0)
+        held[h.name] = max(_total(stats) - _total(whole) + _unpinned(whole, h.name, "stored_bytes")
+                           + whole.units[h.name].copy_bytes, 0)
     return held, replay
 
 
@@ -349,16 +362,19 @@ def _unit_profiles(probes: _Probes, stats: _ProbeStats, element_size: int) -> li
     """Per unit, its group's saved bytes and compressible share (probes 2 and 3), held bytes and replay (4)."""
     group = probes.group
     first = next(iter(stats.keeps.values()), stats.whole)
-    r8 = payload_ratio("int8", element_size)
-    figures = {}  # group -> (saved bytes, compressible share, weight copies), from the probed layers and the head
+    # group -> (saved bytes, compressible share, weight copies, element size), from the probed layers and the head
+    figures = {}
     for u in probes.probed + probes.heads:
         keep = stats.keeps.get(u.layer_index, first)
         saved, stored8 = _unpinned(keep, u.name, "saved_bytes"), _unpinned(stats.int8, u.name, "stored_bytes")
+        elements = keep.units[u.name].saved_elements
+        size = keep.units[u.name].saved_bytes / elements if elements else float(element_size)
+        r8 = payload_ratio("int8", size)
         figures[group[u.name]] = (saved, min(max((1 - stored8 / saved) / (1 - r8), 0.0), 1.0) if saved else 1.0,
-                                  float(keep.units[u.name].copy_bytes))
+                                  float(keep.units[u.name].copy_bytes), size)
     return [UnitProfile(u.name, figures[group[u.name]][0], stats.held[group[u.name]], probes.times[u.name],
                         figures[group[u.name]][1], replay=dict(stats.replay.get(group[u.name], {})),
-                        fixed_bytes=figures[group[u.name]][2])
+                        fixed_bytes=figures[group[u.name]][2], element_size=figures[group[u.name]][3])
             for u in probes.runtime.units]
 
 
@@ -369,8 +385,10 @@ def _held_all_kept(probes: _Probes, whole: RuntimeStats, keeps: dict[int, Runtim
 
 
 def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile], unmanaged: float, r: float,
-                   quadratic: bool) -> float:
-    """Probe 5: each unit's quadratic and fixed shares (set on `units`); the unmanaged bytes' quadratic share."""
+                   quadratic: bool, r_head: float) -> float:
+    """Probe 5: each unit's quadratic and fixed shares (set on `units`); the unmanaged bytes' quadratic share.
+    `r`: the small probe's tokens over the probe's; `r_head`: the same for the head's rows (units outside
+    the layers)."""
     group, runtime = probes.group, probes.runtime
     small_first = next(iter(stats.small_keeps.values()), stats.small_whole)
     saved_small = {group[u.name]: _unpinned(stats.small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
@@ -387,7 +405,8 @@ def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile]
         u.saved_quadratic = q(saved_small[group[u.name]], u.saved_bytes, r)
         u.forward_quadratic = q(probes.small_times[u.name], u.forward_s, r)
         (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
-        u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, r, noise1 + noise2)
+        ru = r if u.name.startswith("layers.") else r_head
+        u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, ru, noise1 + noise2)
     unmanaged_small = max(_held_all_kept(probes, stats.small_whole, stats.small_keeps)
                           - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)
     return grows(unmanaged_small, unmanaged, r)

@@ -37,7 +37,7 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPl
         for i in members:
             o = options[i][picks[i]]
             if o.plan == RECOMPUTE:
-                held += units[i].held_bytes * k
+                held += units[i].held_bytes * costs.scale(tokens, units[i])
                 continue
             held += o.memory
             share[units[i].name] = costs.stored_share(units[i], o.plan, kept[i], o.memory)

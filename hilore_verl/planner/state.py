@@ -19,7 +19,10 @@ STATE_FORMAT = "hilore-verl/controller-state"
 STATE_VERSION = 4
 # read too: version 1 also held the audit's copy of the risk budget (audit_budget); versions 1 and 2 had
 # no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned);
-# versions 1 to 3 no weight copies per unit (units' fixed_bytes: 0, their unmanaged bytes held them)
+# versions 1 to 3 no weight copies or element sizes per unit (units' fixed_bytes: 0, their unmanaged bytes
+# held them; element_size 0: the table's) and
+# no head rows (costs.head_rows: 0, the head scaled with the tokens) and one transient for both phases
+# (costs.forward_transient_bytes: 0)
 OLD_VERSIONS = (1, 2, 3)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
 
@@ -62,10 +65,15 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     _keys("state", state, fields | {"audit_budget"} if version == 1 else fields)
     if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and "transient_bytes" not in state["costs"]:
         state["costs"].update(transient_bytes=0.0, transient_fixed=0.0, gradients_at_peak=1.0)
+    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict):  # the backward's figure stands for both
+        state["costs"].setdefault("forward_transient_bytes", 0.0)
+        state["costs"].setdefault("forward_transient_fixed", 0.0)
     if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and isinstance(state["costs"].get("units"), list):
         for unit in state["costs"]["units"]:
             if isinstance(unit, dict):
                 unit.setdefault("fixed_bytes", 0.0)
+                unit.setdefault("element_size", 0.0)
+        state["costs"].setdefault("head_rows", 0)
     _check_costs(state["costs"], unit_names)
     names = [u["name"] for u in state["costs"]["units"]]
     if state["risk"] is not None:
@@ -108,7 +116,7 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
         _keys(where, unit, {f.name for f in dataclasses.fields(UnitProfile)})
         if not isinstance(unit["name"], str):
             raise ValueError(f"{where}.name: expected a string, got {unit['name']!r}")
-        for key in ("saved_bytes", "held_bytes", "forward_s", "fixed_bytes"):
+        for key in ("saved_bytes", "held_bytes", "forward_s", "fixed_bytes", "element_size"):
             _number(f"{where}.{key}", unit[key], lambda v: v >= 0, ">= 0")
         _number(f"{where}.compressible", unit["compressible"], lambda v: 0 <= v <= 1, "in [0, 1]")
         if not isinstance(unit["replay"], dict) or not all(isinstance(k, str) for k in unit["replay"]):
@@ -122,14 +130,15 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
         raise ValueError(f"its {len(names)} units ({names[0]} ... {names[-1]}) are not this model's "
                          f"{len(unit_names)} units ({unit_names[0]} ... {unit_names[-1]}): saved for another model")
     _number("state.costs.tokens", costs["tokens"], lambda v: v >= 1, ">= 1", integer=True)
+    _number("state.costs.head_rows", costs["head_rows"], lambda v: v >= 0, ">= 0", integer=True)
     _number("state.costs.element_size", costs["element_size"], lambda v: v in (1, 2, 4, 8), "in 1, 2, 4, 8",
             integer=True)
     _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
             integer=True)
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
-    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes"):
+    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes", "forward_transient_bytes"):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
-    for key in ("transient_fixed", "gradients_at_peak"):
+    for key in ("transient_fixed", "gradients_at_peak", "forward_transient_fixed"):
         _number(f"state.costs.{key}", costs[key], lambda v: 0 <= v <= 1, "in [0, 1]")
     for key in ("codec_bytes_per_s", "host_bytes_per_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")

@@ -37,6 +37,9 @@ class UnitStats:
     statistic_bytes: int = 0
     """Part of stored_bytes kept exact by rule under compression: per-row statistics (a norm's
     reciprocal RMS, attention's log-sum-exp), see `saving.is_row_statistic`."""
+    saved_elements: int = 0
+    """Elements of its saved tensors (saved_bytes / saved_elements: their mean element size, which a
+    codec's payload follows: codes and scales per element)."""
     copy_bytes: int = 0
     """Low-precision copies of parameters (autocast's casts) its calls saved while it keeps or compresses:
     part of the unmanaged bytes (held as they are), of a size that does not follow the tokens; a
@@ -114,6 +117,7 @@ class StepStats:
     pinned: list[int] = field(default_factory=list)
     statistic: list[int] = field(default_factory=list)
     copies: list[int] = field(default_factory=list)
+    elements: list[int] = field(default_factory=list)
     unmanaged_bytes: int = 0
     parameter_saves: int = 0
     index_bytes: int = 0
@@ -126,7 +130,7 @@ class StepStats:
     @classmethod
     def empty(cls, units) -> "StepStats":
         n = len(units)
-        return cls([u.name for u in units], *([0] * n for _ in range(8)))
+        return cls([u.name for u in units], *([0] * n for _ in range(9)))
 
     def add(self, unit, key: tuple, t: torch.Tensor, stored: int, nonfinite: bool = False,
             incompressible: bool = False, pinned: bool = False, statistic: bool = False):
@@ -139,6 +143,7 @@ class StepStats:
             self.saved_whole.put((key[0],), t, True)
         i = unit.index
         self.saved[i] += size
+        self.elements[i] += t.numel()
         self.stored[i] += stored
         self.tensors[i] += 1
         self.nonfinite[i] += int(nonfinite)
@@ -207,7 +212,8 @@ class StepStats:
         units = {name: UnitStats(str(plans[i]), saved_bytes=self.saved[i], stored_bytes=self.stored[i],
                                  tensors=self.tensors[i], nonfinite=self.nonfinite[i],
                                  incompressible=self.incompressible[i], pinned_bytes=self.pinned[i],
-                                 statistic_bytes=self.statistic[i], copy_bytes=self.copies[i])
+                                 statistic_bytes=self.statistic[i], copy_bytes=self.copies[i],
+                                 saved_elements=self.elements[i])
                  for i, name in enumerate(self.names)}
         unmanaged_held = 0
         for item in self.held_items:

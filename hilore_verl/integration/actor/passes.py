@@ -70,6 +70,11 @@ class VerlPasses:
         shared = self.engine._shared
         return shared.tokens(batch) if shared is not None else int(batch["input_ids"].values().numel())
 
+    def head_rows(self, batch) -> int | None:
+        """verl's log-prob code computes every token of the packed row: the layers' tokens, or with shared
+        prompts the row the logits are laid back out as (more than the layers compute)."""
+        return int(batch["input_ids"].values().numel()) if self.engine._shared is not None else None
+
     def select(self, batch, index: list[int]):
         return tu.index_select_tensor_dict(batch, index)
 

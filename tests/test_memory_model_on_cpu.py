@@ -1,0 +1,75 @@
+"""The memory model's terms on hand-made cost tables: the head's rows, the weight copies, the two phases'
+transients and what a plan's backward regenerates (planner/costs.py, Controller.predicted_peak)."""
+
+import pytest
+
+from hilore_verl.planner import BudgetConfig, Controller, CostTable, Tokens, UnitProfile
+from hilore_verl.runtime import KEEP, RECOMPUTE, UnitPlan
+
+INT8 = UnitPlan.parse("int8")
+
+
+def _table(**kwargs) -> CostTable:
+    """Two layers of two units and a head, probed at 100 tokens of which 40 were the head's rows."""
+    units = [UnitProfile(f"layers.{i}.{part}", saved, 0.0, 1e-3, fixed_bytes=copies)
+             for i in range(2) for part, saved, copies in (("attn", 1000.0, 50.0), ("mlp", 3000.0, 0.0))]
+    units.append(UnitProfile("head", 800.0, 100.0, 1e-3, element_size=4.0, fixed_bytes=70.0))
+    return CostTable(units, tokens=100, unmanaged_bytes=0.0, head_rows=40, **kwargs)
+
+
+def _all(table, plan):
+    return {u.name: plan for u in table.units}
+
+
+def test_the_head_follows_its_rows_and_the_layers_their_tokens():
+    table = _table()
+    head, mlp = table.units[-1], table.units[1]
+    assert table.saved(head, Tokens(300, head=120)) == pytest.approx(800.0 * 3)  # 120 / 40 rows
+    assert table.saved(head, Tokens(300, head=60)) == pytest.approx(800.0 * 1.5)  # fewer responses per token
+    assert table.saved(mlp, Tokens(300, head=60)) == pytest.approx(3000.0 * 3)  # 300 / 100 tokens
+    assert table.saved(head, 300) == pytest.approx(800.0 * 3)  # a plain count: the probe's share
+    assert table.scale(Tokens(300, head=None), head) == 3.0  # the host said nothing: the tokens
+    without = _table()
+    without.head_rows = 0  # a probe without head rows: the tokens, whatever the micro-batch says
+    assert without.saved(head, Tokens(300, head=60)) == pytest.approx(800.0 * 3)
+    assert Tokens(300, head=60) + 1 == 301 and Tokens(7, 3).head == 3
+
+
+def test_weight_copies_are_fixed_and_held_unless_recomputed():
+    table = _table()
+    attn = table.units[0]
+    for tokens in (100, 400):
+        options = {o.plan: o.memory for o in table.options(attn, tokens)}
+        assert options[KEEP] == pytest.approx(1000.0 * tokens / 100 + 50.0)
+        assert options[RECOMPUTE] == 0.0
+        codes = 1000.0 * tokens / 100 * table.payload(attn, "int8", table.group_size)
+        assert options[INT8] == pytest.approx(codes + 50.0)
+    # a codec's payload follows the elements: the head's fp32 saves cost half the bytes per byte
+    assert table.payload(table.units[-1], "int8", 64) == pytest.approx(table.payload(attn, "int8", 64) / 2)
+
+
+def test_a_plan_regenerates_its_largest_recomputed_layer_in_backward():
+    table = _table(transient_bytes=5000.0, forward_transient_bytes=2000.0)
+    gc = {u.name: RECOMPUTE for u in table.units if u.name.startswith("layers.")}
+    assert table.regenerated(None, 100) == table.regenerated(gc, 100) == 4000.0
+    one_kept = dict(gc, **{"layers.0.mlp": KEEP, "layers.1.mlp": KEEP})
+    assert table.regenerated(one_kept, 100) == 1000.0
+    assert table.backward_transient(gc, 100) == 5000.0
+    assert table.backward_transient(one_kept, 100) == 5000.0 - 3000.0
+    assert table.backward_transient(_all(table, KEEP), 100) == 1000.0  # the backward's own working memory
+    unmeasured = _table()
+    assert unmeasured.backward_transient(one_kept, 100) == unmeasured.transient(100) == 3000.0  # largest unit
+
+
+def test_the_peak_is_the_higher_phase_and_a_first_micro_batch_has_no_gradients_in_its_forward():
+    table = _table(transient_bytes=5000.0, forward_transient_bytes=2000.0, gradients_at_peak=0.25)
+    ctl = Controller(None, table, None, BudgetConfig("gc_ratio", 10.0), static_bytes=10_000.0, gradient_bytes=4000.0)
+    gc = ctl.gc_plan()
+    held = 10_000.0 + ctl.held_bytes(gc, 100)
+    assert ctl.predicted_peak(gc, 100) == pytest.approx(held + 5000.0)  # the backward's
+    assert ctl.predicted_peak(gc, 100, gradients=False) == pytest.approx(held - 0.75 * 4000.0 + 5000.0)
+    keep = _all(table, KEEP)  # nothing regenerated: the forward's transient is the larger
+    held = 10_000.0 + ctl.held_bytes(keep, 100)
+    assert ctl.predicted_peak(keep, 100) == pytest.approx(held + 2000.0)
+    assert ctl.predicted_peak(keep, 100, gradients=False) == pytest.approx(max(held - 4000.0 + 2000.0,
+                                                                              held - 3000.0 + 1000.0))
