@@ -131,9 +131,10 @@ def average_over_ranks(collectives, costs: CostTable, risk: RiskModel | None = N
         return
     figures = measured_values(costs)
     world = collectives.world_size
-    it = iter(collectives.reduce(figures + [float(costs.tokens)], "sum"))
+    it = iter(collectives.reduce(figures + [float(costs.tokens), float(costs.head_rows)], "sum"))
     set_measured_values(costs, [next(it) / world for _ in figures])
     costs.tokens = int(round(next(it) / world))
+    costs.head_rows = int(round(next(it) / world))  # the probes' head rows (0 on every rank: none said)
 
 
 def _average_risk(collectives, names: list[str], risk: RiskModel) -> None:

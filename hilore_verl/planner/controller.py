@@ -2,7 +2,8 @@
 
     ctl = Controller(runtime, costs, risk, BudgetConfig(), static_bytes=..., risk_budget=0.01)
     ctl.begin_mini_batch(exposure_l2=[...], tokens=[...])   # per micro-batch, reduced over ranks
-                                                          # (row_tokens=[...]: the shared-prompt layout's rows)
+                                                          # (row_tokens=[...]: the shared-prompt layout's rows;
+                                                          #  head_rows=[...]: the head's, where fewer)
     for i in micro-batches:  plan = ctl.plan_micro_batch(i)   # the caller applies it (session.py)
                              forward ; ctl.after_forward(i, exact_l2) ; backward
     ctl.metrics()                                         # reads the exact exposures, one transfer
@@ -13,7 +14,8 @@
 
 Memory model of the actor update's peak (what the planner must keep under the budget):
 
-    peak = static + unmanaged + sum_u memory(u, option) + transient reserve (largest unit's saved bytes)
+    peak = static + unmanaged + sum_u memory(u, option) + the larger of the forward's and the backward's
+           transient (measured at the probe; the backward's less what the plan does not regenerate)
 
 A micro-batch has two sizes where each group's prompt is computed once (hilore.shared_prompt): the
 tokens its layers compute, T (the shared layout's row), and the tokens of the ordinary packed row,
@@ -91,10 +93,13 @@ class Controller(PlanSearch):
     def __post_init__(self):
         self.gc_peak = self.predicted_peak(self.gc_plan(), self.costs.tokens)
         self.memory_budget = self.budget.resolve(self.gc_peak, self.free_bytes)
-        least = self.predicted_peak(self._all(RECOMPUTE), self.costs.tokens)
+        # the least memory an exact plan needs: full recompute's, or GC's where its kept head holds less than
+        # a recomputed head's inputs (the logits) do
+        least = min(self.predicted_peak(p, self.costs.tokens) for p in (self._all(RECOMPUTE), self.gc_plan()))
         if self.memory_budget < least:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
-                             f"needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per micro-batch")
+                             f"(or GC, where less) needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per "
+                             "micro-batch")
         self._cache: dict[tuple, tuple[dict[str, UnitPlan], bool]] = {}  # key -> (plan, whether the arm chose it)
         self._micro: list[tuple[float, Tokens, Tokens]] = []  # per micro-batch: (exposure, T, N) (module docstring)
         self._predicted_peaks: list[float] = []  # this mini-batch's plans' predicted peaks, for end_mini_batch

@@ -239,8 +239,8 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                     - sum(u.saved_bytes + u.fixed_bytes for u in units), 0.0)  # residual stream, masks, pinned
     unmanaged_q = 0.0
     if small is not None:  # how each figure grew from the small probe to this one
-        heads = small[1] / tokens if head_rows is None or not head_rows[1] else head_rows[1] / head_rows[0]
-        unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic, heads)
+        r_head = small[1] / tokens if head_rows is None or not head_rows[1] else head_rows[1] / head_rows[0]
+        unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic, r_head)
     saving = _region_saving(probes, stats.whole, units, tokens, unmanaged, element_size)
     codec, host = _bandwidths(probes.clock, device, units, element_size)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,

@@ -115,7 +115,7 @@ class PlanSearch:
             if exclude is not None or self.memory_factor >= 1.0:
                 raise failure or Infeasible("no plan fits the memory budget")
             # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
-            # predicted to need: the least memory there is (start-up refuses a budget below full recompute)
+            # predicted to need: the least memory there is (start-up refuses a budget below both)
             return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
         refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
                    for p in fitting if self.predicted_peak(p, tokens) <= limit]
