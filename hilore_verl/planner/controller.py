@@ -159,7 +159,8 @@ class Controller(PlanSearch):
     def activation_budget(self, tokens: int, row: int | None = None) -> float:
         row = tokens if row is None else row
         free = (self.memory_budget_at(row) * self.memory_factor - self.static_bytes
-                - self.costs.unmanaged(tokens) - max(self.costs.transient(tokens), self.costs.forward_transient(tokens)))
+                - self.costs.unmanaged(tokens)
+                - max(self.costs.transient(tokens), self.costs.forward_transient(tokens)))
         return max(free, 0.0)  # a budget of exactly the GC peak can round a few ulps below zero
 
     # ------------------------------------------------------------------ per mini-batch
@@ -170,8 +171,8 @@ class Controller(PlanSearch):
         data-parallel group (the session reduces them: sum of squares, max), so that micro-batch i gets
         the same plan on every rank; `row_tokens`: its ordinary packed row's, where the shared-prompt
         layout computes fewer (default: `tokens`); `head_rows`: the rows its head's log-prob code computes
-        where the host says (costs.Tokens; default: every token). `seconds`: the last mini-batch's measured time (the
-        slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py, over the
+        where the host says (costs.Tokens; default: every token). `seconds`: the last mini-batch's measured
+        time (the slowest rank's; None when not timed), for the measured choice of arm (planner/arms.py, over the
         modelled time of GC's plan on its micro-batches) and the measured step-time scale
         (planner/step_time.py)."""
         n = len(exposure_l2)
@@ -189,7 +190,8 @@ class Controller(PlanSearch):
         self.record_spent()  # the last mini-batch's, under the risk model it planned with
         grad_scale = self.risk.grad_scale if self.risk is not None and self.risk.grad_scale else 0.0
         self._allowance2 = (self.risk_budget * grad_scale) ** 2 * sum(e * e for e in exposure_l2) / n
-        self._micro = [(float(e), Tokens(t, h), Tokens(r, h)) for e, t, r, h in zip(exposure_l2, tokens, row_tokens, head_rows)]
+        self._micro = [(float(e), Tokens(t, h), Tokens(r, h))
+                       for e, t, r, h in zip(exposure_l2, tokens, row_tokens, head_rows)]
         self._predicted_peaks = []
         self._audit_result = None
 

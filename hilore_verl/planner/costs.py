@@ -35,6 +35,7 @@ from hilore_verl.kernels import FORMATS, payload_ratio
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, UnitPlan
 
+
 class Tokens(int):
     """A micro-batch's size: the tokens its layers compute, carrying `head`, the rows its head's log-prob
     code computes where the host says they are fewer (log-probs of the response tokens only; None:

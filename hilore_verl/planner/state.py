@@ -63,17 +63,17 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
     state = doc["state"]
     fields = {"costs", "risk", "risk_budget", "memory_factor"}
     _keys("state", state, fields | {"audit_budget"} if version == 1 else fields)
-    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and "transient_bytes" not in state["costs"]:
-        state["costs"].update(transient_bytes=0.0, transient_fixed=0.0, gradients_at_peak=1.0)
-    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict):  # the backward's figure stands for both
-        state["costs"].setdefault("forward_transient_bytes", 0.0)
-        state["costs"].setdefault("forward_transient_fixed", 0.0)
-    if version in OLD_VERSIONS and isinstance(state.get("costs"), dict) and isinstance(state["costs"].get("units"), list):
-        for unit in state["costs"]["units"]:
+    costs = state.get("costs")
+    if version in OLD_VERSIONS and isinstance(costs, dict):  # what the older versions did not measure
+        if "transient_bytes" not in costs:
+            costs.update(transient_bytes=0.0, transient_fixed=0.0, gradients_at_peak=1.0)
+        costs.setdefault("forward_transient_bytes", 0.0)  # the backward's figure stands for both
+        costs.setdefault("forward_transient_fixed", 0.0)
+        costs.setdefault("head_rows", 0)
+        for unit in costs.get("units") if isinstance(costs.get("units"), list) else []:
             if isinstance(unit, dict):
                 unit.setdefault("fixed_bytes", 0.0)
                 unit.setdefault("element_size", 0.0)
-        state["costs"].setdefault("head_rows", 0)
     _check_costs(state["costs"], unit_names)
     names = [u["name"] for u in state["costs"]["units"]]
     if state["risk"] is not None:
@@ -136,7 +136,8 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
     _number("state.costs.group_size", costs["group_size"], lambda v: v in GROUP_SIZES, f"in {GROUP_SIZES}",
             integer=True)
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
-    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes", "forward_transient_bytes"):
+    for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes",
+                "forward_transient_bytes"):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
     for key in ("transient_fixed", "gradients_at_peak", "forward_transient_fixed"):
         _number(f"state.costs.{key}", costs[key], lambda v: 0 <= v <= 1, "in [0, 1]")

@@ -10,8 +10,8 @@ def gpu_like_profile(real_profile):
     timing (a slow probe priced the hands-off baseline cheaper and no unit compressed), and every unit's
     forward time is linear in tokens (the measured quadratic and fixed shares of a tiny unit's time are
     noise that made the plan, and whether any unit compressed, differ from run to run). And the table's
-    reserve for the backward is its largest unit's, not the measured transients (of either phase): under FSDP2 on gloo the
-    allocations' order follows the prefetch threads, and the measured peak moved by one layer's gathered
+    reserve for the backward is its largest unit's, not the measured transients (of either phase): under
+    FSDP2 on gloo the allocations' order follows the prefetch threads, and the measured peak moved by one layer's gathered
     parameters between two profiles of the same engine (enough to change a tiny model's plan)."""
 
     def profile(*args, **kwargs):
