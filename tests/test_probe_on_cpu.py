@@ -106,6 +106,18 @@ def test_a_linear_under_autocast_saves_no_weight_cast_as_its_own():
     assert per_token[0] == per_token[1] == 2 * (2 * 128 + 2 * config.intermediate_size)
 
 
+def _passes(model, rt, config):
+    """`run(batch)`: a function that makes one training pass of the bench's loss on `batch` through `rt`."""
+    def run(b):
+        def go():
+            model.zero_grad(set_to_none=True)
+            with forward_context(config):
+                loss = loss_of(model, b, b["coef"], lambda fn, *a: rt.call("head", fn, *a))
+            loss.backward()
+        return go
+    return run
+
+
 def test_a_small_probe_predicts_the_full_batch_figures():
     """Profiled on an eighth of the batch, with the half-size second probe: per unit kind, the saved
     bytes predicted at the full batch are within 3% of the full batch's measured ones, the dense
@@ -120,14 +132,7 @@ def test_a_small_probe_predicts_the_full_batch_figures():
     index = probe_indices(lengths, sum(lengths) // 8)
     probe, small = probe_batch(batch, index), probe_batch(batch, half_probe(lengths, index))
 
-    def run(b):
-        def go():
-            model.zero_grad(set_to_none=True)
-            with forward_context(config):
-                loss = loss_of(model, b, b["coef"], lambda fn, *a: rt.call("head", fn, *a))
-            loss.backward()
-        return go
-
+    run = _passes(model, rt, config)
     costs = profile(rt, run(probe), int(probe["tokens"]), element_size=2, small=(run(small), int(small["tokens"])))
     rt.set_plan({u.name: "keep" for u in rt.units})
     run(batch)()
@@ -192,14 +197,7 @@ def test_the_profile_holds_weight_copies_per_unit_and_fixed():
     lengths = batch["seq_lens"].tolist()
     probe = probe_batch(batch, probe_indices(lengths, sum(lengths) // 2))
 
-    def run(b):
-        def go():
-            model.zero_grad(set_to_none=True)
-            with forward_context(config):
-                loss = loss_of(model, b, b["coef"], lambda fn, *a: rt.call("head", fn, *a))
-            loss.backward()
-        return go
-
+    run = _passes(model, rt, config)
     costs = profile(rt, run(probe), int(probe["tokens"]), element_size=2)
     proj = next(u for u in costs.units if u.name == "layers.1.mlp.proj")
     assert proj.fixed_bytes == 2 * 3 * config.hidden_size * config.intermediate_size  # gate, up, down in bf16
