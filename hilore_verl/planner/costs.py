@@ -54,11 +54,6 @@ class Tokens(int):
     __str__ = int.__repr__  # printed as the count it is
 
 
-def head_rows(tokens: int) -> int | None:
-    """The head's rows `tokens` carries (None for a plain count)."""
-    return getattr(tokens, "head", None)
-
-
 @dataclass
 class UnitProfile:
     name: str
@@ -130,8 +125,8 @@ class CostTable:
         """k: `tokens` over the probe's; for a unit outside the layers (the head), its rows over the probe's
         where both are known (`Tokens.head`, `head_rows`): the head of a host that takes log-probs of the
         response tokens only follows them, not the prompts."""
-        rows = head_rows(tokens)
-        if unit is not None and rows is not None and self.head_rows > 0 and not unit.name.startswith("layers."):
+        rows = getattr(tokens, "head", None)  # a plain count carries none
+        if unit is not None and rows is not None and self.head_rows > 0 and not in_layers(unit.name):
             return rows / self.head_rows
         return tokens / self.tokens
 
@@ -279,7 +274,7 @@ class CostTable:
         (None: GC's, every unit of the layers recomputed)."""
         per_layer: dict[str, float] = {}
         for u in self.units:
-            if u.name.startswith("layers.") and (plan is None or plan.get(u.name, KEEP) == RECOMPUTE):
+            if in_layers(u.name) and (plan is None or plan.get(u.name, KEEP) == RECOMPUTE):
                 per_layer[layer_of(u.name)] = per_layer.get(layer_of(u.name), 0.0) + self.saved(u, tokens)
         return max(per_layer.values(), default=0.0)
 
@@ -296,8 +291,13 @@ class CostTable:
         return value * (fixed + (1 - fixed) * growth)
 
 
+def in_layers(name: str) -> bool:
+    """Whether unit `name` belongs to a decoder layer (else it lies outside them: the head)."""
+    return name.startswith("layers.")
+
+
 def layer_of(name: str) -> str:
-    return name.split(".")[1] if name.startswith("layers.") else name
+    return name.split(".")[1] if in_layers(name) else name
 
 
 def _float_fields(obj) -> list[str]:

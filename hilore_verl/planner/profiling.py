@@ -16,7 +16,7 @@ import torch
 from hilore_verl.kernels import payload_ratio
 from hilore_verl.peak_memory import Allocations, allocations
 from hilore_verl.planner.bandwidth import codec_bandwidth, host_bandwidth, sample_bytes
-from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.planner.costs import CostTable, UnitProfile, in_layers
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import RecoveryUnit, name_in_layer
@@ -405,7 +405,7 @@ def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile]
         u.saved_quadratic = q(saved_small[group[u.name]], u.saved_bytes, r)
         u.forward_quadratic = q(probes.small_times[u.name], u.forward_s, r)
         (t1, noise1), (t2, noise2) = (by_group[group[u.name]] for by_group in sized)
-        ru = r if u.name.startswith("layers.") else r_head
+        ru = r if in_layers(u.name) else r_head
         u.forward_fixed = 0.0 if u.forward_quadratic else fixed_share(t1, t2, ru, noise1 + noise2)
     unmanaged_small = max(_held_all_kept(probes, stats.small_whole, stats.small_keeps)
                           - sum(saved_small[group[u.name]] for u in runtime.units), 0.0)

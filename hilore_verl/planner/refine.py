@@ -11,7 +11,7 @@ recomputes (the runtime's own test is wider), so the search errs towards fitting
 
 from __future__ import annotations
 
-from hilore_verl.planner.costs import CostTable, layer_of
+from hilore_verl.planner.costs import CostTable, in_layers, layer_of
 from hilore_verl.planner.solver import Option
 from hilore_verl.runtime.plan import RECOMPUTE, UnitPlan
 
@@ -41,7 +41,7 @@ def refine(costs: CostTable, options: list[list[Option]], plan: dict[str, UnitPl
                 continue
             held += o.memory
             share[units[i].name] = costs.stored_share(units[i], o.plan, kept[i], o.memory)
-        if not units[members[0]].name.startswith("layers.") or len(share) == len(members):
+        if not in_layers(units[members[0]].name) or len(share) == len(members):
             return held
         whole = not share
         return held + costs.region_bytes([units[i] for i in members], share, k) - (saving if whole else 0.0)
