@@ -228,7 +228,22 @@ def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():
     m, s = report["methods"], report["summary"]
     for name in ("runtime_keep", "runtime_recompute"):
         assert m[name]["status"] == "ok" and m[name]["grad_rel_error"] == 0.0, m[name]  # keep / recompute: exact
-    assert s["runtime_keep_vs_no_gc"] > 0 and s["runtime_recompute_vs_gc"] > 0, s
+    for row, base in (("runtime_keep", "no_gc"), ("runtime_recompute", "gc")):
+        assert s[f"{row}_vs_{base}"] == pytest.approx(m[row]["step_s"] / m[base]["step_s"])
+        paired = [b / r for b, r in zip(m[base]["step_times_s"], m[row]["step_times_s"])]
+        assert s[f"{row}_throughput_vs_{base}_ci"][0] == pytest.approx(statistics.fmean(paired))
+    # each row runs its baseline's own plan, through the runtime's hooks (never hands-off)
+    from hilore_verl.bench import methods as M
+    from hilore_verl.bench.actor_update import make_batch
+
+    batch = make_batch(SMALL)
+    for name, expected in (("runtime_keep", lambda u: "keep"),
+                           ("runtime_recompute", lambda u: "recompute" if u.layer_index is not None else "keep")):
+        runtime = M.build(name, SMALL, batch).runtime
+        assert not runtime.hands_off
+        assert {u.name: str(runtime.plan_of(u.name)) for u in runtime.units} == {
+            u.name: expected(u) for u in runtime.units}
+        assert "head" in {u.name for u in runtime.units}
 
 
 def test_the_packed_row_gives_the_padded_layouts_loss_and_gradient():

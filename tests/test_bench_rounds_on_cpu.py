@@ -167,3 +167,27 @@ def test_keys_not_settled_step_untimed_until_they_are_or_the_cap():
     assert result.to_dict()["settle_steps"] == {"hilore": 5, "stuck": 8}
     with pytest.raises(ValueError):
         StopRule(settle_max=-1)
+
+
+def test_a_capped_set_says_how_many_rounds_the_target_would_take():
+    rule = StopRule(target=0.02, min_rounds=3, time_cap_s=40.0)
+    spread = {"gc": 0.15, "hilore": 0.15}
+    result, lines = _run(spread, rule, cap=40.0)
+    assert result.stopped_by == "time cap" and result.rounds_needed > result.rounds
+    ratios = [g / h for g, h in zip(result.times["gc"], result.times["hilore"])]
+    cv = Rd.statistics.stdev(ratios) / Rd.statistics.fmean(ratios)
+    assert result.round_cv == pytest.approx(cv)
+    n = result.rounds_needed  # the least round count whose interval is within the target at that spread
+    assert Rd.t975(n - 1) * cv / math.sqrt(n) <= 0.02 < Rd.t975(n - 2) * cv / math.sqrt(n - 1)
+    assert result.seconds_needed == pytest.approx(n * result.elapsed_s / result.rounds)
+    assert f"would take {n} rounds" in lines[-1]
+    # the estimate against the rounds the same noise takes without a cap (another draw of it)
+    free, _ = _run(spread, StopRule(target=0.02, min_rounds=3, time_cap_s=1e6), cap=1e6, seed=1)
+    assert free.stopped_by == "target" and 0.5 * n <= free.rounds <= 2 * n
+    assert free.rounds_needed is None and not math.isnan(free.round_cv)  # reached: nothing needed
+
+
+def test_rounds_needed_has_no_answer_without_a_spread():
+    assert Rd.rounds_needed(math.nan, 0.02) is None
+    assert Rd.rounds_needed(0.0, 0.02) == 2
+    assert Rd.rounds_needed(1.0, 1e-4, limit=1000) is None

@@ -38,8 +38,9 @@ METHODS = ("no_gc", "gc", "gc_drop_zero_adv", "verl_offload", "hidden_offload", 
            "hilore", "runtime_keep", "runtime_recompute", *SHARED)
 PLANNERS = ("keep_recompute", "hilore", "hilore_shared")
 SWEPT = ("keep_recompute", "hilore")  # the planners the budget sweep runs
-# the runtime's own cost, no planner: every unit kept (against no_gc), every unit recomputed (against gc)
-RUNTIME_ONLY = {"runtime_keep": "keep", "runtime_recompute": "recompute"}
+# the runtime's own cost, no planner, the same plans as two baselines run through its hooks: every unit kept
+# (against no_gc), and GC's plan, every decoder layer's units recomputed and the head kept (against gc)
+RUNTIME_ONLY = {"runtime_keep": "keep", "runtime_recompute": "gc"}
 
 
 class Unavailable(Exception):
@@ -97,8 +98,11 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
         # fully_shard replaced the parameters by DTensors: the optimizer must hold those
         method.optimizer = make_optimizer(model, config)
     elif name in RUNTIME_ONLY:
+        if RUNTIME_ONLY[name] == "gc":  # the runtime takes HF's checkpointing over as its own plan
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
-        method.runtime.set_plan(hilore_verl.Plan(default=RUNTIME_ONLY[name]))
+        plan = method.runtime.checkpoint_plan() if RUNTIME_ONLY[name] == "gc" else hilore_verl.Plan(default="keep")
+        method.runtime.set_plan(plan)  # measured: every forward through the runtime's hooks, never hands-off
     return method
 
 

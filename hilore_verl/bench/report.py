@@ -64,7 +64,7 @@ def summarize(report: dict) -> dict:
                     out["hilore_first_step_peak_vs_gc"] = first["peak_bytes"] / ok["gc"]["peak_bytes"]
             out["hilore_grad_cosine"] = ok["hilore"].get("grad_cosine")
             out["hilore_controller_share"] = ok["hilore"].get("controller_share")
-        if "runtime_recompute" in ok:  # unit-by-unit re-runs against one checkpointed region per layer
+        if "runtime_recompute" in ok:  # GC's plan re-run by the runtime against HF's checkpointing of each layer
             out["runtime_recompute_vs_gc"] = ok["runtime_recompute"]["step_s"] / t_gc
             out["runtime_recompute_throughput_vs_gc_ci"] = _paired(ok, "gc", "runtime_recompute")
     if "runtime_keep" in ok and "no_gc" in ok:  # the runtime's own cost: hooks, bookkeeping, nothing to save
@@ -149,12 +149,17 @@ def table(report: dict) -> str:
     lines += _machine_lines(report, r)
     lines += ["", "paired rounds (every method once per round, the order rotated; stop: "
               + _rule(report["stop"]) + ")", "",
-              "| set | rounds | widest 95% half-width | target reached | stopped by | seconds (cap) |", "|---|---|---|---|---|---|"]
+              "| set | rounds | widest 95% half-width | its per-round spread | target reached | stopped by | seconds (cap) "
+              "| the target would take |", "|---|---|---|---|---|---|---|---|"]
     for st in report["rounds"]:
         width = "-" if st["half_width"] is None or math.isnan(st["half_width"]) else f"+-{100 * st['half_width']:.2f}%"
+        cv = st.get("round_cv")
+        spread = "-" if cv is None or math.isnan(cv) else f"{100 * cv:.1f}%"
         cap = "" if st["cap_s"] is None else f" ({st['cap_s']:.0f})"
-        lines.append(f"| {st['label']} | {st['rounds']} | {width} ({st['widest']}) | {'yes' if st['reached'] else 'no'} "
-                     f"| {st['stopped_by']} | {st['elapsed_s']:.0f}{cap} |")
+        needed = (f"{st['rounds_needed']} rounds, ~{st['seconds_needed']:.0f} s" if st.get("rounds_needed")
+                  else "-" if st["reached"] or st["cap_s"] is None else "more than is reasonable")
+        lines.append(f"| {st['label']} | {st['rounds']} | {width} ({st['widest']}) | {spread} | "
+                     f"{'yes' if st['reached'] else 'no'} | {st['stopped_by']} | {st['elapsed_s']:.0f}{cap} | {needed} |")
     predicted = _predicted_rows(report)
     if predicted:
         lines += ["", "planned rows: the cost model's prediction for the plan run against the measurement (step: mean "
@@ -208,7 +213,7 @@ def _summary_lines(s: dict) -> list[str]:
     if "runtime_keep_vs_no_gc" in s:
         lines.append(f"Runtime, every unit kept: throughput {ratio(s['runtime_keep_throughput_vs_no_gc_ci'])} no GC's")
     if "runtime_recompute_vs_gc" in s:
-        lines.append(f"Runtime, every unit recomputed: throughput {ratio(s['runtime_recompute_throughput_vs_gc_ci'])} GC's")
+        lines.append(f"Runtime, GC's plan (every layer's units recomputed): throughput {ratio(s['runtime_recompute_throughput_vs_gc_ci'])} GC's")
     if "hilore_peak_vs_gc" in s:
         lines.append(f"HiLoRe peak: {s['hilore_peak_vs_gc']:.3f}x GC's (target <= 1.10)")
     if "hilore_first_step_peak_vs_gc" in s:

@@ -15,17 +15,23 @@ throughput interval relative to its mean. The rounds stop when
 - at least `min_rounds` rounds ran and another round, at the mean round time so far, would end past
   the set's time cap (cap hit: the interval reached is reported, with `reached` false), or
 - `fixed` rounds ran, when a fixed count is asked for (no target, no cap).
+
+A set stopped short of its target says what it would have needed, from what it measured: the widest
+key's per-round values (paired ratios, or throughputs) spread with coefficient of variation cv, so the
+interval's relative half-width after n rounds is t(0.975, n - 1) * cv / sqrt(n); the least n that
+brings it within the target, and n times the mean round's seconds (`rounds_needed`, `seconds_needed`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
-from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated
+from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated, t975
 
 LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds
 
@@ -69,6 +75,12 @@ class RoundSet:
     """The set's time cap (None: a fixed count of rounds)."""
     settle_steps: dict = field(default_factory=dict)
     """Untimed steps a key ran after the warm-up until it settled (keys that needed none: absent)."""
+    round_cv: float = math.nan
+    """The widest key's per-round coefficient of variation (of its paired ratio, or of its throughput)."""
+    rounds_needed: int | None = None
+    """Rounds the target would have taken at that spread (None: reached, or a fixed count)."""
+    seconds_needed: float | None = None
+    """`rounds_needed` at the mean round's seconds so far."""
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "times"}
@@ -81,18 +93,35 @@ def key_name(key: Hashable) -> str:
     return f"{key[0]}@{key[1]}" if isinstance(key, tuple) else str(key)
 
 
-def half_widths(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> dict[Hashable, float]:
-    """Per key, its interval's half-width relative to its middle (see the module's docstring)."""
+def _weighed(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> dict[Hashable, list[float]]:
+    """Per key, the per-round values its interval is of: its paired throughput ratio to the baseline's,
+    or (no baseline in the set) its own throughput; the baseline itself has none."""
     out = {}
     for key, values in times.items():
         if baseline in times and key != baseline:
-            mean, low, high = paired_ratio_ci(times[baseline], values)
-        elif baseline in times and len(times) > 1:
-            continue  # the baseline over itself: 1 every round
-        else:
-            mean, low, high = mean_ci([1 / s for s in values])
+            out[key] = [b / v for b, v in zip(times[baseline], values)]
+        elif baseline not in times or len(times) == 1:
+            out[key] = [1 / s for s in values]
+    return out
+
+
+def half_widths(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> dict[Hashable, float]:
+    """Per key, its interval's half-width relative to its middle (see the module's docstring)."""
+    out = {}
+    for key, values in _weighed(times, baseline).items():
+        mean, low, high = mean_ci(values)
         out[key] = (high - low) / 2 / mean if len(values) > 1 else math.nan
     return out
+
+
+def rounds_needed(cv: float, target: float, limit: int = 100_000) -> int | None:
+    """The least n with t(0.975, n - 1) * cv / sqrt(n) <= target (None: not within `limit`, or no spread known)."""
+    if math.isnan(cv) or target <= 0:
+        return None
+    n = max(2, math.ceil((1.96 * cv / target) ** 2))  # t(0.975, n - 1) >= 1.96: no fewer than this
+    while t975(n - 1) * cv / math.sqrt(n) > target:
+        n += 1
+    return n if n <= limit else None
 
 
 def widest(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> tuple[float, Hashable]:
@@ -154,12 +183,26 @@ def run_rounds(label: str, keys: list, step: Callable[[Hashable], float], rule: 
         if result.elapsed_s * (result.rounds + 1) / result.rounds > cap_s:
             result.stopped_by = "time cap"
             break
+    _needed(result, baseline, rule)
     if result.stopped_by == "target":
         log(f"{label}: target +-{100 * rule.target:g}% reached after {result.rounds} rounds: {width}")
     elif result.stopped_by == "time cap":
         log(f"{label}: time cap {cap_s:.0f} s hit after {result.rounds} rounds before the target +-{100 * rule.target:g}%; "
-            f"interval reached {width}")
+            f"interval reached {width}; its rounds spread by {100 * result.round_cv:.1f}% (sd / mean), so the target would take "
+            + (f"{result.rounds_needed} rounds, about {result.seconds_needed:.0f} s" if result.rounds_needed else "more rounds than are reasonable"))
     return result
 
 
-__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "run_rounds", "widest"]
+def _needed(result: RoundSet, baseline: Hashable, rule: StopRule) -> None:
+    """The widest key's spread, and what the target would take at it (module docstring)."""
+    values = _weighed(result.times, baseline).get(result.widest) if result.widest is not None else None
+    if not values or len(values) < 2:
+        return
+    result.round_cv = statistics.stdev(values) / statistics.fmean(values)
+    if rule.fixed is None and not result.reached:
+        result.rounds_needed = rounds_needed(result.round_cv, rule.target)
+        if result.rounds_needed is not None:
+            result.seconds_needed = result.rounds_needed * result.elapsed_s / result.rounds
+
+
+__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "rounds_needed", "run_rounds", "widest"]
