@@ -68,7 +68,8 @@ class HiLoReConfig:
     loss it cannot prove safe it trains without skipping and says so once."""
     measure_baseline: bool = True
     """Where the solver's plan differs from an exact baseline the runtime runs hands-off (the model's own
-    checkpointing, or every unit kept), time both in training and run the faster (planner/arms.py). With
+    checkpointing, or every unit kept), time both in training and run the plans only where they measure
+    faster (a 95% interval over paired mini-batches), the baseline otherwise (planner/arms.py). With
     keep / recompute plans both give the same update bitwise; with lossy plans which one runs depends on
     measured time, so two runs from one seed may differ (within the risk budget). False: the cost model
     decides alone and such runs repeat exactly."""

@@ -1,12 +1,13 @@
 """verl's own trainer (`main_ppo`) stops on a bad `hilore:` section with one line, before Ray starts."""
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from hilore_verl.integration.actor.config_check import hilore_error, host_error
+from tests.harness import subprocess as harness
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
 
@@ -16,7 +17,10 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
     ("+actor_rollout_ref.actor.hilore.budgett=1", "hilore.budgett: unknown key"),
     ("actor_rollout_ref.actor.strategy=fsdp", "hilore.enable=true needs actor_rollout_ref.actor.strategy=fsdp2"),
     ("trainer.device=cuda", "actor_rollout_ref.rollout.name=hf is the CPU rollout"),
-    ("ray_kwargs.ray_init.num_cpus=null", "Ray would count"),
+    # Ray left to count this host's cores where the ranks, the transfer queue's storage units and one more
+    # need more than any host here has (units: one more than the cores), so the check fires on every host
+    (f"ray_kwargs.ray_init.num_cpus=null transfer_queue.enable=true "
+     f"transfer_queue.backend.SimpleStorage.num_data_storage_units={(os.cpu_count() or 1) + 1}", "Ray would count"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
      "hilore.enable=true with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 is not supported"),
     ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",  # the key verl's engine reads
@@ -27,8 +31,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
 ])
 def test_main_ppo_exits_with_one_line_before_ray(override, message):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
-           "actor_rollout_ref.actor.hilore.enable=true", override]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "actor_rollout_ref.actor.hilore.enable=true", *override.split()]
+    proc = harness.run(cmd, timeout_s=300)  # a check that let Ray start would leave nothing behind
     ours = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(ours) == 1 and ours[0].startswith(f"hilore-verl: bad config: {message}"), proc.stderr[-3000:]
@@ -50,7 +54,7 @@ def _cohere(path) -> str:
 def test_a_model_no_unit_map_fits_stops_main_ppo_before_ray(tmp_path):
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
            "actor_rollout_ref.actor.hilore.enable=true", f"actor_rollout_ref.model.path={_cohere(tmp_path)}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = harness.run(cmd, timeout_s=300)
     ours = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(ours) == 1 and "cannot map decoder block CohereDecoderLayer" in ours[0], proc.stderr[-3000:]
@@ -120,8 +124,6 @@ def test_host_checks():
                                  "transfer_queue": {"enable": True,
                                                     "backend": {"SimpleStorage": {"num_data_storage_units": 8}}},
                                  "ray_kwargs": {"ray_init": {"num_cpus": None}}})
-
-    import os
 
     too_few = os.cpu_count() < 12
     assert (host_error(config()) is not None) == too_few  # 2 ranks + controller + 8 units + 1
@@ -193,6 +195,6 @@ def test_main_ppo_prints_the_note_once_before_it_validates():
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", str(RECIPES), "--config-name", "tiny_cpu",
            "actor_rollout_ref.actor.hilore.enable=true", "actor_rollout_ref.actor.use_prefix_grouper=false",
            "actor_rollout_ref.actor.hilore.risk_budget=-1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = harness.run(cmd, timeout_s=300)
     notes = [line for line in proc.stderr.splitlines() if line.startswith("hilore-verl: note: ")]
     assert proc.returncode == 2 and len(notes) == 1 and "use_prefix_grouper=true" in notes[0], proc.stderr[-3000:]

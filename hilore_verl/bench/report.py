@@ -13,7 +13,7 @@ import math
 import time
 
 from hilore_verl.bench import methods as M
-from hilore_verl.bench.stats import paired_ratio_ci
+from hilore_verl.intervals import paired_ratio_ci
 
 GC_OVERHEAD_RANGE = (0.20, 0.33)  # GC's step time over no GC's on GPU jobs
 

@@ -31,7 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
-from hilore_verl.bench.stats import mean_ci, paired_ratio_ci, rotated, t975
+from hilore_verl.intervals import mean_ci, paired_ratio_ci, t975
+from hilore_verl.planner.arms import MAX_TRIALS
 
 LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds
 
@@ -48,8 +49,9 @@ class StopRule:
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
-    settle_max: int = 8
-    """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`)."""
+    settle_max: int = 2 * MAX_TRIALS + 2
+    """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`): the measured
+    trial's longest (MAX_TRIALS pairs, planner/arms.py) and the first plans' two steps."""
     sweep_time_cap_s: float = 300.0
     """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
 
@@ -87,6 +89,14 @@ class RoundSet:
         d["widest"] = key_name(self.widest) if self.widest is not None else None
         d["settle_steps"] = {key_name(k): v for k, v in self.settle_steps.items()}
         return d
+
+
+def rotated(keys: list, round_index: int) -> list:
+    """The order of the round: the list rotated by the round's index (each key starts once in turn)."""
+    if not keys:
+        return []
+    k = round_index % len(keys)
+    return keys[k:] + keys[:k]
 
 
 def key_name(key: Hashable) -> str:
@@ -205,4 +215,4 @@ def _needed(result: RoundSet, baseline: Hashable, rule: StopRule) -> None:
             result.seconds_needed = result.rounds_needed * result.elapsed_s / result.rounds
 
 
-__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "rounds_needed", "run_rounds", "widest"]
+__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "rotated", "rounds_needed", "run_rounds", "widest"]

@@ -32,7 +32,7 @@ from hilore_verl.bench.session_passes import plan_counts
 from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, save_json,  # noqa: F401 - re-exported
                                       save_markdown, summarize, table)
 from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
-from hilore_verl.bench.stats import mean_ci, paired_ratio_ci
+from hilore_verl.intervals import mean_ci, paired_ratio_ci
 from hilore_verl.bench.actor_update import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.bench.machine import MachineLoad

@@ -7,16 +7,27 @@ micro-batches it is noisy; the runtime's per-call costs (codec launches, a compi
 are not in it at all. So where a baseline fits the budget and the solver's plan differs from it, the
 controller also measures the two in training: timed mini-batches alternate between the solver's plans
 ("plan" arm) and the baseline ("baseline" arm) in the order plan, baseline, baseline, plan, ... (so
-that neither arm always gets a step's first or second mini-batch) until each has TRIALS, then the arm
-with the lower median time runs, and after RECHECK_EVERY mini-batches both are timed again (plans
-follow exposures and token counts). A mini-batch's time is its measured seconds over the cost
-model's seconds for GC's plan on the same micro-batches (the controller's): a size that counts the
-attention's quadratic part and the fixed per-call parts, so mini-batches of different sizes compare
-(per trained token, a small mini-batch's fixed part made it look slow). While the baseline is the choice, the controller
-plans it without running the solver (planner/search.py). Both arms are updates the controller may make: the
-baseline is exact, the plans within the risk budget. The session times each mini-batch (device
-clock, the slowest rank's, so every rank takes the same arm); a mini-batch whose plans all equal
-their baselines, the first (profiling), or one retried after a fault is not a sample.
+that neither arm always gets a step's first or second mini-batch). Consecutive samples pair up, one
+of each arm, and each pair gives r = plan's time / baseline's. After at least TRIALS pairs, the 95%
+interval of the mean r (Student's t, intervals.py) decides:
+
+    the interval below 1        the plans are faster: they run
+    the interval above 1        the baseline is faster: it runs
+    neither, MAX_TRIALS pairs   no measured gain: the baseline runs (exact, and the runtime's hooks off)
+    neither, fewer pairs        another pair
+
+A choice of the plans needs evidence; a median of three samples each did not give it (on the 2-core
+CPU, steps spread by ~4%: a trial once read the plans 4% faster where 29 paired bench rounds measured
+them 5% slower, docs/benchmarks/bench_cpu.md). After RECHECK_EVERY mini-batches on the choice both
+are timed again (plans follow exposures and token counts). A mini-batch's time is its measured
+seconds over the cost model's seconds for GC's plan on the same micro-batches (the controller's): a
+size that counts the attention's quadratic part and the fixed per-call parts, so mini-batches of
+different sizes compare (per trained token, a small mini-batch's fixed part made it look slow). While
+the baseline is the choice, the controller plans it without running the solver (planner/search.py).
+Both arms are updates the controller may make: the baseline is exact, the plans within the risk
+budget. The session times each mini-batch (device clock, the slowest rank's, so every rank takes the
+same arm); a mini-batch whose plans all equal their baselines, the first (profiling), or one retried
+after a fault is not a sample.
 
     arms = ArmTrial()
     arms.record(relative_seconds)      # the last mini-batch's time over its size, or None; picks this one's arm
@@ -27,12 +38,16 @@ their baselines, the first (profiling), or one retried after a fault is not a sa
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 
+from hilore_verl.intervals import mean_ci
+
 logger = logging.getLogger(__name__)
 
-TRIALS = 3  # timed mini-batches per arm before choosing
+TRIALS = 3  # pairs (one timed mini-batch of each arm) at least before choosing
+MAX_TRIALS = 8  # pairs at most: still no measured gain, the baseline runs
 RECHECK_EVERY = 200  # mini-batches on the chosen arm before timing both again
 ARMS = ("plan", "baseline")
 ORDER = ("plan", "baseline", "baseline", "plan")  # the arm of the k-th sample: ORDER[k % 4]
@@ -41,6 +56,7 @@ ORDER = ("plan", "baseline", "baseline", "plan")  # the arm of the k-th sample: 
 @dataclass
 class ArmTrial:
     trials: int = TRIALS
+    max_trials: int = MAX_TRIALS
     recheck_every: int = RECHECK_EVERY
     arm: str = "plan"  # the arm the current mini-batch runs
     chosen: str | None = None  # the measured winner, until the next recheck
@@ -58,19 +74,33 @@ class ArmTrial:
             if self.since_choice < self.recheck_every:
                 return
             self.chosen, self.samples = None, {a: [] for a in ARMS}
-        taken = sum(len(s) for s in self.samples.values())
-        if taken < 2 * self.trials:
-            self.arm = ORDER[taken % len(ORDER)]
-            if len(self.samples[self.arm]) >= self.trials:  # an odd count: the other arm's turn
-                self.arm = next(a for a in ARMS if a != self.arm)
+        verdict = self._verdict()
+        if verdict is None:  # the next sample's arm
+            self.arm = ORDER[sum(len(s) for s in self.samples.values()) % len(ORDER)]
             return
-        medians = {a: statistics.median(self.samples[a]) for a in ARMS}
-        self.chosen = self.arm = min(ARMS, key=lambda a: medians[a])  # ties: the solver's plans
+        self.chosen = self.arm = verdict
         self.since_choice = 0
-        logger.warning("hilore-verl: measured over %d mini-batches each, the solver's plans take %.3g and the exact "
-                       "baseline %.3g of the modelled time of GC's plan: running the %s for the next %d mini-batches",
-                       self.trials, medians["plan"], medians["baseline"],
-                       "solver's plans" if self.chosen == "plan" else "baseline (hands-off)", self.recheck_every)
+        mean, low, high = mean_ci(self.pairs())
+        logger.warning("hilore-verl: measured over %d pairs of mini-batches, the solver's plans take %.3fx the exact "
+                       "baseline's time [95%%: %.3f, %.3f]: running the %s for the next %d mini-batches",
+                       len(self.pairs()), mean, low, high,
+                       "solver's plans" if verdict == "plan" else "baseline (hands-off)", self.recheck_every)
+
+    def pairs(self) -> list[float]:
+        """Per pair of samples (one of each arm, taken back to back), the plans' time over the baseline's."""
+        return [p / b for p, b in zip(self.samples["plan"], self.samples["baseline"])]
+
+    def _verdict(self) -> str | None:
+        """The arm the pairs so far choose (the module's docstring), or None: another pair."""
+        pairs = self.pairs()
+        if len(pairs) < self.trials or len(self.samples["plan"]) != len(self.samples["baseline"]):
+            return None  # too few pairs, or one half-way
+        _, low, high = mean_ci(pairs)
+        if high < 1:
+            return "plan"
+        if low > 1 or len(pairs) >= self.max_trials or math.isnan(high):
+            return "baseline"
+        return None
 
     def hold(self, arm: str) -> None:
         """Run `arm` as if a trial had chosen it (a process that repeats a row already measured elsewhere)."""
@@ -80,11 +110,10 @@ class ArmTrial:
         self.since_choice = 0
 
     def ratio(self) -> float | None:
-        """The plans' median relative time over the baseline's, once both were timed (the trial's samples:
+        """The plans' mean time over the baseline's, pair by pair, once a pair was timed (the trial's samples:
         none are added while a choice holds)."""
-        if not all(self.samples[a] for a in ARMS):
-            return None
-        return statistics.median(self.samples["plan"]) / statistics.median(self.samples["baseline"])
+        pairs = self.pairs()
+        return statistics.fmean(pairs) if pairs else None
 
     def metrics(self) -> dict[str, float]:
         out = {"hilore/arm/baseline": float(self.arm == "baseline")}
@@ -94,4 +123,4 @@ class ArmTrial:
         return out
 
 
-__all__ = ["ArmTrial", "RECHECK_EVERY", "TRIALS"]
+__all__ = ["ArmTrial", "MAX_TRIALS", "RECHECK_EVERY", "TRIALS"]

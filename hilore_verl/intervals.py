@@ -1,7 +1,7 @@
-"""95% confidence intervals of the bench's means and paired ratios.
+"""95% confidence intervals of means and of paired ratios: the bench's rounds and the planner's measured trial.
 
-Rounds are paired: every method steps once per round (order rotated), so the ratio of two methods'
-step times within a round cancels the machine's drift between rounds. The interval of a mean over
+Samples are paired where two things are timed back to back (every method once per bench round, one
+mini-batch of each arm in the trial), so the ratio within a pair cancels the machine's drift between pairs. The interval of a mean over
 n rounds is mean +- t(0.975, n - 1) * sd / sqrt(n) (Student's t; the rounds' values taken as
 independent draws).
 """
@@ -40,12 +40,4 @@ def paired_ratio_ci(numerator: list[float], denominator: list[float]) -> tuple[f
     return mean_ci([a / b for a, b in zip(numerator, denominator)])
 
 
-def rotated(keys: list, round_index: int) -> list:
-    """The order of the round: the list rotated by the round's index (each key starts once in turn)."""
-    if not keys:
-        return []
-    k = round_index % len(keys)
-    return keys[k:] + keys[:k]
-
-
-__all__ = ["mean_ci", "paired_ratio_ci", "rotated", "t975"]
+__all__ = ["mean_ci", "paired_ratio_ci", "t975"]
