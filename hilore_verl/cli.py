@@ -123,9 +123,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_methods(args: argparse.Namespace) -> tuple[str, ...]:
     """--methods (plus the shared-prompt rows with --shared-prompt), each a known method."""
     from hilore_verl.bench import METHODS
-    from hilore_verl.bench.methods import SHARED
+    from hilore_verl.bench.methods import DEFAULT, SHARED
 
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    methods = DEFAULT if args.methods is None else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if args.shared_prompt:  # each of no GC, GC and HiLoRe also on the shared-prompt layout
         methods += tuple(m for m in SHARED if m not in methods)
     if args.no_pack and any(m in SHARED for m in methods):

@@ -71,8 +71,9 @@ def add_plan(sub) -> argparse.ArgumentParser:
 def add_bench(sub) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="HiLoRe against GC, offload, boundary compression and a keep/recompute "
                                          "planner on one GRPO actor update, side by side")
-    bench.add_argument("--methods", default="no_gc,gc,verl_offload,hidden_offload,int8_boundary,fp8_boundary,"
-                       "keep_recompute,hilore", help="comma-separated methods (default: all)")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated methods (default: no_gc, gc, verl_offload, hidden_offload, int8_boundary, "
+                            "fp8_boundary, keep_recompute, hilore; every method: hilore_verl/bench/methods.py)")
     _add_bench_stop(bench)
     bench.add_argument("--candidates", type=int, choices=range(0, 9), default=4, metavar="N",
                        help="runner-ups of HiLoRe's plan (ranked by the cost model) run beside it at each budget of "

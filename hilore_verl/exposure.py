@@ -26,6 +26,7 @@ import torch
 
 
 def padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as a padded tensor (a nested one padded with zeros; None stays None); `name` for the error."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -77,24 +78,11 @@ def read_floats(values: Sequence[float | torch.Tensor]) -> list[float]:
 @dataclass
 class Exposure:
     token: torch.Tensor  # (B, T) |c_t| (+ entropy bound), zero outside the response mask
-    suffix: torch.Tensor  # (B, T) sum over s >= t of token[b, s]: what token t's activations can reach
-    sequence: torch.Tensor  # (B,) a sequence's total; also what its prompt tokens reach
-    l2: torch.Tensor  # (B,) sqrt(sum_t token^2): the scale of a random per-token error's effect
-    sizes: list[int]  # sequences per micro-batch, in order
-    zero: torch.Tensor  # (B,) bool: sequences with no exposure at all
-
-    @property
-    def micro_batches(self) -> list[float]:
-        """Total per micro-batch (one read of device data)."""
-        return torch.stack([part.sum() for part in torch.split(self.sequence, self.sizes)]).tolist()
-
-    @property
-    def total(self) -> float:
-        return float(self.sequence.sum())
 
     def l2_tensor(self, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
-        """sqrt(sum of token^2) over the given sequences (all by default), as a 0-d tensor on the
-        exposure's device: nothing is read until the caller reads it."""
+        """sqrt(sum of token^2) over the given sequences (all by default): the scale of a random per-token
+        error's effect on the update, as a 0-d tensor on the exposure's device: nothing is read until the
+        caller reads it."""
         sel = self.token if rows is None else self.token[rows]
         return sel.pow(2).sum().sqrt()
 
@@ -103,10 +91,9 @@ class Exposure:
         return float(self.l2_tensor(rows))
 
 
-def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: Sequence[int] | None = None,
-              entropy_coeff: float = 0.0, entropy_weights: torch.Tensor | None = None,
-              vocab_size: int | None = None) -> Exposure:
-    """Exposure per token, per token suffix, per sequence and per micro-batch; zero-exposure flags.
+def summarize(c: torch.Tensor, response_mask: torch.Tensor, entropy_coeff: float = 0.0,
+              entropy_weights: torch.Tensor | None = None, vocab_size: int | None = None) -> Exposure:
+    """Exposure per token: |c_t| on response tokens, 0 elsewhere.
 
     With `entropy_coeff` != 0, pass the aggregation weights (`integration.loss.aggregation_weights`)
     and `vocab_size`: each token gets |entropy_coeff| * w_t * 2 ln V on top of |c_t|.
@@ -117,10 +104,5 @@ def summarize(c: torch.Tensor, response_mask: torch.Tensor, micro_batch_sizes: S
         if entropy_weights is None or vocab_size is None:
             raise ValueError("entropy_weights and vocab_size are required when entropy_coeff != 0")
         token = token + abs(entropy_coeff) * entropy_weights.abs() * 2 * math.log(vocab_size) * mask
-    suffix = token.flip(-1).cumsum(-1).flip(-1) * mask
-    sequence = token.sum(-1)
-    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else [c.shape[0]]
-    if sum(sizes) != c.shape[0]:
-        raise ValueError(f"micro_batch_sizes {sizes} add up to {sum(sizes)}, not to the {c.shape[0]} sequences")
-    return Exposure(token, suffix, sequence, token.pow(2).sum(-1).sqrt(), sizes, sequence == 0)
+    return Exposure(token)
 

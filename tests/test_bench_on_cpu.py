@@ -113,6 +113,17 @@ def test_report_outputs(report, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_default_methods_are_the_ones_the_help_names():
+    from hilore_verl import cli_args
+    from hilore_verl.bench.methods import DEFAULT, METHODS
+
+    import argparse
+
+    bench = cli_args.add_bench(argparse.ArgumentParser().add_subparsers())
+    methods = next(a for a in bench._actions if a.dest == "methods")
+    assert methods.default is None and ", ".join(DEFAULT) in methods.help and set(DEFAULT) < set(METHODS)
+
+
 def test_cli_bad_method_is_one_line():
     proc = subprocess.run([str(Path(sys.executable).with_name("hilore-verl")), "bench", "--methods", "gc,zero3"],
                           capture_output=True, text=True, timeout=300)

@@ -1,5 +1,7 @@
 """Loss coefficients equal autograd of verl's ppo_loss (as the engine calls it) w.r.t. log_prob."""
 
+import math
+
 import pytest
 import torch
 
@@ -92,14 +94,15 @@ def test_kl_loss_of_each_type(kl_type, mode):
 def test_zero_advantage_groups_have_exactly_zero_exposure():
     config = actor_config(policy_loss={"loss_mode": "vanilla"})
     c, batch = _compare(config)
-    e = exposure.summarize(c, batch["response_mask"], micro_batch_sizes=[4, 4, 4])
+    e = exposure.summarize(c, batch["response_mask"])
     zero_groups = batch["zero_advantage_group"].repeat_interleave(4)
-    assert zero_groups.any() and (e.sequence[zero_groups] == 0).all() and e.zero[zero_groups].all()
-    assert (e.sequence[~zero_groups] > 0).all()
+    assert zero_groups.any() and (e.token[zero_groups] == 0).all() and e.l2_of(zero_groups) == 0.0
+    assert (e.token[~zero_groups].sum(-1) > 0).all()
     assert (e.token[batch["response_mask"] == 0] == 0).all()
-    assert sum(e.micro_batches) == pytest.approx(e.total)
-    # suffix sums: token t reaches the update through tokens >= t of its own sequence
-    assert torch.allclose(e.suffix[:, 0], e.sequence) and (e.suffix.diff(dim=1) <= 1e-9).all()
+    # the L2 over all sequences is the root of the sum over any split of them
+    halves = [e.l2_of(slice(0, 6)), e.l2_of(slice(6, None))]
+    assert e.l2_of() == pytest.approx(math.hypot(*halves)) and e.l2_of() == pytest.approx(
+        float(c.double().mul(batch["response_mask"]).pow(2).sum().sqrt()), rel=1e-6)
 
 
 def test_fully_clipped_tokens_have_zero_coefficient():
@@ -166,8 +169,6 @@ def test_bad_input_names_the_field():
                                    actor_config(use_kl_loss=True))
     with pytest.raises(ValueError, match="advantages is required"):
         actor_loss.loss_coefficients(log_prob, batch["old_log_probs"], None, mask, config)
-    with pytest.raises(ValueError, match="micro_batch_sizes"):
-        exposure.summarize(torch.zeros(3, 2), torch.ones(3, 2), micro_batch_sizes=[1, 1])
 
 
 def test_value_checks_read_once_and_can_be_skipped(monkeypatch):
@@ -207,14 +208,14 @@ def test_actor_exposure_adds_the_entropy_bound_of_the_actor_config(agg):
         config = actor_config(loss_agg_mode=agg, entropy_coeff=coeff)
         c = actor_loss.loss_coefficients(batch["old_log_probs"], batch["old_log_probs"], zero, mask, config)
         assert (c == 0).all()
-        e = actor_loss.actor_exposure(c, mask, config, vocab_size=512, micro_batch_sizes=[4, 4, 4])
+        e = actor_loss.actor_exposure(c, mask, config, vocab_size=512)
         if coeff == 0:
-            assert e.l2_of() == 0 and e.zero.all()
+            assert e.l2_of() == 0 and (e.token == 0).all()
             continue
         w = aggregation_weights(mask, agg)
         expected = coeff * w * 2 * torch.log(torch.tensor(512.0)) * mask
         torch.testing.assert_close(e.token, expected)
-        assert e.l2_of() > 0 and not e.zero.any()
+        assert e.l2_of() > 0 and (e.token.sum(-1) > 0).all()
     with pytest.raises(ValueError, match="vocab_size is required"):
         actor_loss.actor_exposure(c, mask, actor_config(entropy_coeff=0.01))
     # without entropy the actor's exposure is summarize's

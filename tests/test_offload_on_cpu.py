@@ -67,7 +67,7 @@ def test_offload_pool_stays_bounded_under_varying_token_counts(monkeypatch):
         need[0] = 0
         offloaded = _step(model, ids)
         assert all(torch.equal(offloaded[n], g) for n, g in in_place.items()), step
-        pool = rt._pools[torch.device("cpu")]
+        pool = rt.saving.pools[torch.device("cpu")]
         needs.append(need[0])
         held.append(pool.held_bytes)
         stats = rt.stats()
@@ -239,7 +239,7 @@ def test_landed_checks_let_their_exact_copies_go_by_the_forward_s_end(monkeypatc
     loss = _forward_loss(model)  # its graph holds the saved tensors
     deferred = [h() for h in holders if h() is not None and isinstance(h().held, Unchecked)]
     assert deferred and all((h.held.tensor is None) != (h.held.payload is None) for h in deferred)
-    assert rt._pending_exact == 0 and log["syncs"] == 0 and rt.host_waits == 0
+    assert rt.saving.pending_exact == 0 and log["syncs"] == 0 and rt.host_waits == 0
     loss.backward()
 
 
@@ -254,13 +254,13 @@ def test_pending_exact_copies_are_capped_by_waiting_for_the_oldest(monkeypatch):
     monkeypatch.setattr(saving, "PENDING_EXACT_BYTES", cap)
     log, _ = _counting_setup(monkeypatch, lagging=True)
     most = []
-    settle = type(rt)._settle_checks
+    settle = type(rt.saving).settle_checks
 
     def watched(self, wait):
         settle(self, wait)
-        most.append(self._pending_exact)
+        most.append(self.pending_exact)
 
-    monkeypatch.setattr(type(rt), "_settle_checks", watched)
+    monkeypatch.setattr(type(rt.saving), "settle_checks", watched)
     loss = _forward_loss(model)
     assert log["syncs"] > 0 and rt.host_waits == log["syncs"]
     assert most and max(most) <= cap  # after every settling pass; a new save adds at most one tensor

@@ -375,7 +375,7 @@ def _calibrated_state(costs):
 
 
 def test_the_controller_state_round_trips_through_json_exactly(tiny):
-    from hilore_verl.planner.state import STATE_FORMAT, dump_state, load_state
+    from hilore_verl.planner.state import STATE_FORMAT, costs_of, dump_state, load_state, risk_of
 
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
@@ -383,8 +383,8 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 4
     loaded = load_state(text, [u.name for u in rt.units])
     assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
-    assert Controller.costs_from_state(loaded) == costs
-    assert Controller.risk_from_state(loaded).state_dict() == state["risk"]
+    assert costs_of(loaded) == costs
+    assert risk_of(loaded).state_dict() == state["risk"]
     assert load_state(text.encode())["costs"]["tokens"] == costs.tokens  # bytes as read from a file
     with pytest.raises(ValueError, match="non-finite"):
         dump_state({**state, "memory_factor": float("nan")})
@@ -414,7 +414,7 @@ def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(t
     """Versions 1 and 2 had no measured transient (nor 1-3 weight copies per unit): such a state loads
     with transient_bytes 0 (and fixed_bytes 0), and its table reserves its largest unit's saved bytes,
     as it planned when it was saved; versions 3 and 4 need it."""
-    from hilore_verl.planner.state import dump_state, load_state
+    from hilore_verl.planner.state import costs_of, dump_state, load_state
 
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
@@ -426,7 +426,7 @@ def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(t
     doc["version"] = 2
     for unit in doc["state"]["costs"]["units"]:  # nor weight copies per unit (version 4)
         del unit["fixed_bytes"]
-    table = Controller.costs_from_state(load_state(json.dumps(doc), [u.name for u in rt.units]))
+    table = costs_of(load_state(json.dumps(doc), [u.name for u in rt.units]))
     assert table.transient_bytes == 0.0 and all(u.fixed_bytes == 0.0 for u in table.units)
     largest = max(table.grow(u.saved_bytes, u.saved_quadratic, 3 * table.tokens) for u in table.units)
     assert table.transient(3 * table.tokens) == largest
@@ -590,12 +590,13 @@ def test_an_overhead_the_probe_could_not_measure_leaves_the_choice_to_the_measur
     ctl = Controller(rt, costs, None, ROOMY)
     checkpoint = rt.checkpoint_plan()
     arms = []
-    for i in range(2 * TRIALS + 1):  # the plans 3x at 2 s, the baseline 3x at 1 s: the baseline wins
+    for i in range(2 * TRIALS + 3):  # the plans 3x at 2 s, the baseline 3x at 1 s (each after a warm-up): the baseline wins
         ctl.begin_mini_batch([1.0], [tokens], seconds=None if i == 0 else (2.0 if arms[-1][0] == "plan" else 1.0))
         plan = _applied(ctl, rt, 0)
         arms.append((ctl.arms.arm, plan == checkpoint, rt.hands_off))
     assert arms[0] == ("plan", False, False) and ctl.arms.informative
-    assert arms[1] == ("baseline", True, True)  # plan, baseline, baseline, plan, ... (planner/arms.py)
+    assert arms[1] == ("plan", False, False)  # its warm-up was not a sample (planner/arms.py)
+    assert arms[2] == ("baseline", True, True)  # plan, baseline, baseline, plan, ...
     assert ctl.arms.chosen == "baseline" and arms[-1] == ("baseline", True, True)
 
 
@@ -610,7 +611,7 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
     """Where the solver's plan differs from a hands-off baseline that fits, timed mini-batches alternate
     plan, baseline, baseline, plan, ... in pairs until the pairs' interval decides (at least TRIALS pairs),
     then that arm runs (by the measured time over the mini-batch's size); a mini-batch with nothing to
-    choose is not a sample."""
+    choose is not a sample, nor is the first mini-batch each arm runs in a trial (a warm-up)."""
     from hilore_verl.planner.arms import TRIALS, ArmTrial
 
     assert TRIALS == 3
@@ -618,17 +619,18 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
     ran = []
     times = {"plan": 2.0, "baseline": 1.0}  # the baseline measures faster
     last, chosen = None, []
-    for i in range(2 * TRIALS + 6):
+    for i in range(2 * TRIALS + 8):
         arms.record(last)
         ran.append(arms.arm)
         chosen.append((arms.chosen, arms.ratio(), arms.metrics()["hilore/arm/baseline"]))
         arms.informative = i != 1  # mini-batch 1 had nothing to choose: no sample
         last = times[arms.arm]
-    # samples plan, baseline, baseline, plan, plan, baseline; mini-batch 1 (baseline, not a sample) runs again
-    assert ran[:2 * TRIALS + 1] == ["plan", "baseline", "baseline", "baseline", "plan", "plan", "baseline"]
-    assert chosen[2 * TRIALS + 1] == ("baseline", 2.0, 1.0)  # plans 2x the baseline's relative time
-    assert ran[2 * TRIALS + 1:2 * TRIALS + 5] == ["baseline"] * 4  # until the recheck ...
-    assert ran[2 * TRIALS + 5] == "plan" and arms.chosen is None  # ... which times both again
+    # the plans' warm-up (0), mini-batch 1 (no choice: runs again), then samples plan; the baseline's warm-up
+    # (3), then baseline, baseline, plan, plan, baseline: three pairs, 2.0 each
+    assert ran[:9] == ["plan", "plan", "plan", "baseline", "baseline", "baseline", "plan", "plan", "baseline"]
+    assert chosen[8][0] is None and chosen[9] == ("baseline", 2.0, 1.0)  # plans 2x the baseline's relative time
+    assert ran[9:13] == ["baseline"] * 4  # until the recheck ...
+    assert ran[13] == "plan" and arms.chosen is None and not arms.warmed  # ... which times both again, warmed again
 
 
 def test_the_plans_run_only_where_their_gain_is_measured():
@@ -638,8 +640,8 @@ def test_the_plans_run_only_where_their_gain_is_measured():
     from hilore_verl.planner.arms import MAX_TRIALS, TRIALS, ArmTrial
     from hilore_verl.intervals import mean_ci
 
-    def run(ratios):  # the plans' relative times in turn, the baseline's 1.0
-        arms, it, last = ArmTrial(), iter(ratios), None
+    def run(ratios):  # the plans' relative times in turn after a slow warm-up (not a sample), the baseline's 1.0
+        arms, it, last = ArmTrial(), iter([1.5, *ratios]), None
         for _ in range(4 * MAX_TRIALS):
             arms.record(last)
             if arms.chosen is not None:
@@ -648,7 +650,7 @@ def test_the_plans_run_only_where_their_gain_is_measured():
             last = next(it) if arms.arm == "plan" else 1.0
         raise AssertionError("no choice")
 
-    faster, pairs = run([0.90, 0.91, 0.89, 0.90])
+    faster, pairs = run([0.90, 0.91, 0.89])
     assert faster == "plan" and len(pairs) == TRIALS
     slower, pairs = run([1.10, 1.09, 1.11])
     assert slower == "baseline" and len(pairs) == TRIALS
@@ -710,7 +712,7 @@ def test_a_controller_on_the_baseline_arm_runs_checkpointing_hands_off(tiny):
     # once the trial chose the baseline, micro-batches plan it without solving (until the recheck)
     ctl.arms.arm = ctl.arms.chosen = "baseline"
     ctl._cache.clear()
-    ctl._solve = lambda *a, **k: pytest.fail("solved while the measured choice is the baseline")
+    ctl.search._solve = lambda *a, **k: pytest.fail("solved while the measured choice is the baseline")
     assert _applied(ctl, rt, 0) == rt.checkpoint_plan() and rt.hands_off
 
 
@@ -728,7 +730,7 @@ def test_a_measured_overshoot_never_rules_out_gc_under_a_gc_ratio_budget(tiny):
     ctl.begin_mini_batch([1.0], [tokens])
     _applied(ctl, rt, 0)
     ctl.end_mini_batch(4.0 * ctl.limit(tokens), noise_bytes=0.0)  # measured at 4x what the plan predicted
-    assert ctl.peak_factor <= 0.5 and ctl.predicted_peak(ctl._all(RECOMPUTE), tokens) > ctl.limit(tokens)
+    assert ctl.peak_factor <= 0.5 and ctl.predicted_peak(ctl.all_units(RECOMPUTE), tokens) > ctl.limit(tokens)
     assert ctl.gc_always_fits() == gc
     ctl.begin_mini_batch([1.0], [tokens])
     assert _applied(ctl, rt, 0) == gc and rt.hands_off
@@ -736,7 +738,7 @@ def test_a_measured_overshoot_never_rules_out_gc_under_a_gc_ratio_budget(tiny):
     ctl.begin_mini_batch([1.0], [tokens])
     ctl._cache.clear()
     assert ctl.gc_always_fits() is None
-    least = min((gc, ctl._all(RECOMPUTE)), key=lambda p: ctl.predicted_peak(p, tokens))
+    least = min((gc, ctl.all_units(RECOMPUTE)), key=lambda p: ctl.predicted_peak(p, tokens))
     assert _applied(ctl, rt, 0) == least
     fixed = Controller(rt, costs, None, BudgetConfig("gib", ctl.gc_peak * 1.1 / 2**30))
     assert fixed.gc_always_fits() is None

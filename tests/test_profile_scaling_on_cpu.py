@@ -12,7 +12,7 @@ from hilore_verl.planner import CostTable, UnitProfile, profile
 from hilore_verl.planner import bandwidth
 from hilore_verl.planner import profiling as costs
 from hilore_verl.planner.bandwidth import sample_bytes
-from hilore_verl.planner.profiling import fixed_share, quadratic_share
+from hilore_verl.planner.growth import fixed_share, quadratic_share
 from hilore_verl.timing import DeviceClock, fit_bandwidth
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.units import name_in_layer

@@ -196,7 +196,7 @@ def test_offload_gives_the_same_result_as_in_place_compression():
     rt.set_plan({"layers": UnitPlan(Mode.COMPRESS, fmt="int8", offload=True)})
     _, offloaded = policy_gradient_step(model)
     assert all(torch.equal(offloaded[n], g) for n, g in in_place.items())
-    pool = rt._pools[torch.device("cpu")]
+    pool = rt.saving.pools[torch.device("cpu")]
     allocated = pool.allocated
     assert allocated > 0
     _, again = policy_gradient_step(model)  # the second step reuses the host buffers of the first

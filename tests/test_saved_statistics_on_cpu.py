@@ -8,20 +8,20 @@ import torch
 from hilore_verl import Plan, RuntimeConfig, attach
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.runtime.records import Checked, Kept
-from hilore_verl.runtime.saving import RowShapes, SavedTensorHooks, is_row_statistic
+from hilore_verl.runtime.saving import RowShapes, SavedTensors, is_row_statistic
 from hilore_verl.tiny_models import build_tiny_model
 
 
 def _capture(monkeypatch):
     """(tensor, a copy of it at pack time, holder) for every tensor the runtime holds by a unit's plan."""
-    seen, real = [], SavedTensorHooks._store
+    seen, real = [], SavedTensors._store
 
     def store(self, t, *args, **kwargs):
         held = real(self, t, *args, **kwargs)
         seen.append((t, t.detach().clone(), held))
         return held
 
-    monkeypatch.setattr(SavedTensorHooks, "_store", store)
+    monkeypatch.setattr(SavedTensors, "_store", store)
     return seen
 
 

@@ -35,7 +35,7 @@ def _micro_batches(seed: int) -> list[dict]:
 
 
 class PlainPasses:
-    """session.Passes for a plain model: the loss is -sum_t c_t log p_t."""
+    """host.Passes for a plain model: the loss is -sum_t c_t log p_t."""
 
     element_size = 4
     has_coefficients = True

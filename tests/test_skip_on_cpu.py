@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hilore_verl import skip
-from hilore_verl.session import SingleProcess
+from hilore_verl.host import SingleProcess
 from hilore_verl.tiny_models import save_tiny_model
 from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from hilore_verl.planner import Controller
 from hilore_verl.planner.ranking import ranked_plans
+from hilore_verl.planner.search import PlanSearch
 from hilore_verl.runtime import UnitPlan
 
 
@@ -20,11 +21,19 @@ class FixedPlan(Controller):
     """A controller whose every micro-batch gets `fixed` (its memory model and metrics as any other's)."""
     fixed: dict[str, UnitPlan] = field(default_factory=dict)
 
-    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
-        return dict(self.fixed), False
+    def __post_init__(self):
+        super().__post_init__()
+        self.search = _Fixed(self)
 
     def _keeps_all(self, tokens: int, row: int) -> bool:
         return False  # its plan, even where keeping every unit would fit
+
+
+class _Fixed(PlanSearch):
+    """The search of a `FixedPlan`: its plan, whatever the micro-batch."""
+
+    def choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
+        return dict(self.c.fixed), False
 
 
 def candidate_controllers(chosen: Controller, count: int, tokens: int) -> list[FixedPlan]:

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
-from hilore_verl.intervals import mean_ci, paired_ratio_ci, t975
+from hilore_verl.intervals import mean_ci, t975
 from hilore_verl.planner.arms import MAX_TRIALS
 
 LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds
@@ -49,9 +49,9 @@ class StopRule:
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
-    settle_max: int = 2 * MAX_TRIALS + 2
+    settle_max: int = 2 * MAX_TRIALS + 4
     """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`): the measured
-    trial's longest (MAX_TRIALS pairs, planner/arms.py) and the first plans' two steps."""
+    trial's longest (MAX_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first plans' two steps."""
     sweep_time_cap_s: float = 300.0
     """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
 
@@ -197,9 +197,11 @@ def run_rounds(label: str, keys: list, step: Callable[[Hashable], float], rule: 
     if result.stopped_by == "target":
         log(f"{label}: target +-{100 * rule.target:g}% reached after {result.rounds} rounds: {width}")
     elif result.stopped_by == "time cap":
-        log(f"{label}: time cap {cap_s:.0f} s hit after {result.rounds} rounds before the target +-{100 * rule.target:g}%; "
-            f"interval reached {width}; its rounds spread by {100 * result.round_cv:.1f}% (sd / mean), so the target would take "
-            + (f"{result.rounds_needed} rounds, about {result.seconds_needed:.0f} s" if result.rounds_needed else "more rounds than are reasonable"))
+        needed = (f"{result.rounds_needed} rounds, about {result.seconds_needed:.0f} s" if result.rounds_needed
+                  else "more rounds than are reasonable")
+        log(f"{label}: time cap {cap_s:.0f} s hit after {result.rounds} rounds before the target "
+            f"+-{100 * rule.target:g}%; interval reached {width}; its rounds spread by {100 * result.round_cv:.1f}% "
+            f"(sd / mean), so the target would take {needed}")
     return result
 
 

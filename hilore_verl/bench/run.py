@@ -395,16 +395,12 @@ def _spelled(plan: dict[str, UnitPlan]) -> dict[str, str]:
     return {unit: str(p) for unit, p in plan.items()}
 
 
-def _all(controller: Controller, choice: UnitPlan) -> dict[str, UnitPlan]:
-    return {u.name: choice for u in controller.costs.units}
-
-
 def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
     """The method's controller (same profile and calibration) under another budget: x GC's predicted peak,
     or "no_gc", the predicted peak of keeping every unit at the tokens it forwards."""
     base = method.controller
     if ratio == "no_gc":
-        budget = BudgetConfig("gib", base.predicted_peak(_all(base, KEEP), method.layer_tokens(batch)) / 2**30)
+        budget = BudgetConfig("gib", base.predicted_peak(base.all_units(KEEP), method.layer_tokens(batch)) / 2**30)
     else:
         budget = BudgetConfig("gc_ratio", float(ratio))
     return Controller(base.runtime, base.costs, base.risk, budget, static_bytes=base.static_bytes,

@@ -1,6 +1,6 @@
 """The benchmark's actor update driven by `Session`, the code verl's engine runs around each mini-batch.
 
-`BenchPasses` is what the session asks of a framework (session.Passes), for the bench's model and
+`BenchPasses` is what the session asks of a framework (host.Passes), for the bench's model and
 batch (bench/actor_update.py); `SessionMethod` runs one actor update the way `HiLoReFSDPEngine` does:
 
     session.train(micro_batches, step)      first call: probe, profile, calibrate, build the controller
@@ -39,7 +39,7 @@ def _positions_in_sequence(target_seq: torch.Tensor) -> torch.Tensor:
 
 
 class BenchPasses:
-    """session.Passes for a bench model: coefficients are the batch's `coef`, laid out (sequences, tokens)."""
+    """host.Passes for a bench model: coefficients are the batch's `coef`, laid out (sequences, tokens)."""
 
     has_coefficients = True
 

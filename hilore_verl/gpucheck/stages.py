@@ -13,7 +13,7 @@ import time
 import torch
 
 from hilore_verl.gpucheck.context import Context, StageReport, cosine, tiny_policy
-from hilore_verl.kernels import reference, triton_check, triton_codec
+from hilore_verl.kernels import FORMATS, reference, triton_check, triton_codec
 
 MIB = 2**20
 
@@ -45,8 +45,6 @@ def _codec_cases(tiny: bool):
 def codecs(report: StageReport, ctx: Context) -> None:
     """Triton against the reference computed on the CPU (the definition: torch on CUDA divides by a
     Python number as a product with its reciprocal, so its own results there may differ in the last bit)."""
-    from hilore_verl.kernels import FORMATS
-
     device = ctx.torch_device()
     gen = torch.Generator(device="cpu").manual_seed(0)
     failures, cases = [], 0
@@ -116,7 +114,7 @@ def _bandwidth(report: StageReport, ctx: Context, device: torch.device) -> None:
             x = torch.randn(mib * MIB // dtype.itemsize // 1536, 1536, device=device, dtype=dtype)
             dst = torch.empty_like(x)
             copy_s = time_it(lambda: dst.copy_(x), n)
-            for fmt in ("int8", "fp8", "int4"):
+            for fmt in FORMATS:
                 q = quantize(x, fmt, 64)
                 quant_s = time_it(lambda: quantize(x, fmt, 64), n)
                 deq_s = time_it(lambda: dequantize(q), n)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hilore_verl.kernels.formats import SPECS
 from hilore_verl.kernels.reference import QuantizedTensor, check_args, seed_mix
 
 SOURCE = Path(__file__).with_name("cpu_native.cpp")
@@ -36,8 +37,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-err
 PORTABLE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
                   "-Wno-unknown-pragmas")
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_FMT_ID = {"int8": 0, "fp8": 1, "int4": 2}
-_CODE_DTYPE = {"int8": torch.int8, "fp8": torch.uint8, "int4": torch.uint8}
 
 
 class Unavailable(RuntimeError):
@@ -141,11 +140,12 @@ def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochasti
     flat = x.detach().reshape(-1, D).contiguous()
     R, G = flat.shape[0], D // group_size
     if out is None:
-        out = (torch.empty((R, D * (4 if fmt == "int4" else 8) // 8), dtype=_CODE_DTYPE[fmt]),
+        spec = SPECS[fmt]
+        out = (torch.empty(spec.codes_shape(R, D), dtype=spec.code_dtype),
                torch.empty((R, G), dtype=torch.float32), torch.empty((R, G), dtype=torch.uint8))
     codes, scales, flags = out
-    rc = load().hv_quantize(flat.data_ptr(), _DTYPE_ID[x.dtype], R * G, group_size, _FMT_ID[fmt], int(stochastic),
-                            seed_mix(seed) if stochastic else 0, codes.data_ptr(), scales.data_ptr(),
+    rc = load().hv_quantize(flat.data_ptr(), _DTYPE_ID[x.dtype], R * G, group_size, SPECS[fmt].kernel_id,
+                            int(stochastic), seed_mix(seed) if stochastic else 0, codes.data_ptr(), scales.data_ptr(),
                             flags.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"native codec: unsupported {fmt} / {x.dtype} / group {group_size}")
@@ -156,7 +156,7 @@ def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Ten
     """`out`: a contiguous tensor of q's shape and dtype to write into (benchmarks)."""
     codes, scales = q.codes.contiguous(), q.scales.contiguous().float()
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
-    rc = load().hv_dequantize(codes.data_ptr(), scales.data_ptr(), scales.numel(), q.group_size, _FMT_ID[q.fmt],
+    rc = load().hv_dequantize(codes.data_ptr(), scales.data_ptr(), scales.numel(), q.group_size, SPECS[q.fmt].kernel_id,
                               _DTYPE_ID[q.dtype], out.data_ptr(), _bf16_nan(), torch.get_num_threads())
     if rc:
         raise ValueError(f"native codec: unsupported {q.fmt} / {q.dtype} / group {q.group_size}")

@@ -8,7 +8,8 @@ A format maps y = x / scale (fp32, |y| <= qmax, scale = group absmax / qmax) to 
 
 With `u` (stochastic rounding, u in [0, 1) per element) the integer formats take floor(y + u) and
 fp8 floor(fraction + u) on its mantissa grid. Adding a format: one spec here (its encode / decode
-in torch, the reference), a branch in the Triton kernels keyed by `kernel_id`, and one test.
+in torch, the reference), a branch in the Triton kernels and in cpu_native.cpp keyed by `kernel_id`, and one
+test.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Format:
     decode: Callable[[torch.Tensor], torch.Tensor]
     """codes -> (R, D) fp32 values (to be multiplied by the scale)."""
     kernel_id: int
-    """The FMT constant the Triton kernels branch on."""
+    """The FMT constant the Triton kernels and the native CPU library (cpu_native.cpp's enum) branch on."""
 
     def payload_ratio(self, element_size: int, group_size: int = 64) -> float:
         """Payload bytes per input byte: codes, plus a scale and a flag per group."""

@@ -7,8 +7,10 @@ micro-batches it is noisy; the runtime's per-call costs (codec launches, a compi
 are not in it at all. So where a baseline fits the budget and the solver's plan differs from it, the
 controller also measures the two in training: timed mini-batches alternate between the solver's plans
 ("plan" arm) and the baseline ("baseline" arm) in the order plan, baseline, baseline, plan, ... (so
-that neither arm always gets a step's first or second mini-batch). Consecutive samples pair up, one
-of each arm, and each pair gives r = plan's time / baseline's. After at least TRIALS pairs, the 95%
+that neither arm always gets a step's first or second mini-batch). The first mini-batch each arm runs in
+a trial is not a sample: it allocates what the arm's plans hold for the first time (on the 2-core CPU a
+plan's first mini-batch after profiling took 1.25x its later ones, the baseline's 1.09x). Consecutive
+samples pair up, one of each arm, and each pair gives r = plan's time / baseline's. After at least TRIALS pairs, the 95%
 interval of the mean r (Student's t, intervals.py) decides:
 
     the interval below 1        the plans are faster: they run
@@ -62,18 +64,22 @@ class ArmTrial:
     chosen: str | None = None  # the measured winner, until the next recheck
     informative: bool = False  # the current mini-batch had a micro-batch whose plan differs from its baseline
     samples: dict[str, list[float]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    warmed: set = field(default_factory=set)  # arms whose first mini-batch of this trial ran (not a sample)
     since_choice: int = 0
 
     def record(self, relative_seconds: float | None) -> None:
         """The last mini-batch's measured seconds over its size (None: not timed); then this mini-batch's arm."""
         if self.chosen is None and relative_seconds is not None and relative_seconds > 0 and self.informative:
-            self.samples[self.arm].append(relative_seconds)
+            if self.arm in self.warmed:
+                self.samples[self.arm].append(relative_seconds)
+            else:  # the arm's first mini-batch of the trial: a warm-up, and the arm runs again
+                self.warmed.add(self.arm)
         self.informative = False
         if self.chosen is not None:
             self.since_choice += 1
             if self.since_choice < self.recheck_every:
                 return
-            self.chosen, self.samples = None, {a: [] for a in ARMS}
+            self.chosen, self.samples, self.warmed = None, {a: [] for a in ARMS}, set()
         verdict = self._verdict()
         if verdict is None:  # the next sample's arm
             self.arm = ORDER[sum(len(s) for s in self.samples.values()) % len(ORDER)]

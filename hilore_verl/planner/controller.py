@@ -50,7 +50,7 @@ from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.step_time import StepTimeScale
 from hilore_verl.planner.budget import BudgetConfig
-from hilore_verl.planner.costs import CostTable, Tokens, UnitProfile
+from hilore_verl.planner.costs import CostTable, Tokens
 from hilore_verl.planner.search import PlanSearch
 from hilore_verl.planner.solver import Infeasible
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
@@ -73,7 +73,7 @@ class PlanRecord:
 
 
 @dataclass
-class Controller(PlanSearch):
+class Controller:
     runtime: Runtime
     costs: CostTable
     risk: RiskModel | None
@@ -95,7 +95,7 @@ class Controller(PlanSearch):
         self.memory_budget = self.budget.resolve(self.gc_peak, self.free_bytes)
         # the least memory an exact plan needs: full recompute's, or GC's where its kept head holds less than
         # a recomputed head's inputs (the logits) do
-        least = min(self.predicted_peak(p, self.costs.tokens) for p in (self._all(RECOMPUTE), self.gc_plan()))
+        least = min(self.predicted_peak(p, self.costs.tokens) for p in (self.all_units(RECOMPUTE), self.gc_plan()))
         if self.memory_budget < least:
             raise ValueError(f"the memory budget {self.memory_budget / 2**30:.3f} GiB is below what full recompute "
                              f"(or GC, where less) needs: {least / 2**30:.3f} GiB at {self.costs.tokens} tokens per "
@@ -110,6 +110,7 @@ class Controller(PlanSearch):
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
         self.step_time = StepTimeScale()  # measured / modelled mini-batch seconds (planner/step_time.py)
         self._size_s = 0.0  # this mini-batch's modelled seconds under GC's plan: the arms' size (planner/arms.py)
+        self.search = PlanSearch(self)  # how a micro-batch's plan is found (planner/search.py)
 
     @property
     def memory_factor(self) -> float:
@@ -133,7 +134,7 @@ class Controller(PlanSearch):
         outside the layers kept), or every unit recomputed where the model had no checkpointing (or no
         runtime is attached, as in what-if planning)."""
         checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
-        return checkpoint if checkpoint is not None else self._all(RECOMPUTE)
+        return checkpoint if checkpoint is not None else self.all_units(RECOMPUTE)
 
     def gc_always_fits(self) -> dict[str, UnitPlan] | None:
         """The hands-off GC plan where it is within the budget by definition, whatever the measured peaks
@@ -216,19 +217,19 @@ class Controller(PlanSearch):
         key = (bucket, round(tokens / row, 2), share, round(l2 / allowance, 2) if allowance > 0 else
                (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.arm)
         start = time.perf_counter()
-        keep = self._all(KEEP)
+        keep = self.all_units(KEEP)
         cached = (keep, False) if self._keeps_all(tokens, row) else self._cache.get(key)
         if cached is None:
             try:  # plan for the bucket's largest micro-batch, so the cached plan fits all of the bucket
-                cached = self._cache[key] = self._choose(l2, bucket, allowance, bucket_row)
+                cached = self._cache[key] = self.search.choose(l2, bucket, allowance, bucket_row)
             except Infeasible:  # a fixed budget can fit this micro-batch but not the whole bucket
-                cached = self._choose(l2, tokens, allowance, row)
+                cached = self.search.choose(l2, tokens, allowance, row)
         plan, choice = cached
         peak = self.predicted_peak(plan, tokens)
         if peak > self.limit(row):
             # a gc_ratio budget shrinks with the micro-batch while fixed costs do not: the bucket's
             # plan can overshoot a micro-batch far below the bucket's size; solve for this one
-            plan, choice = self._choose(l2, tokens, allowance, row)
+            plan, choice = self.search.choose(l2, tokens, allowance, row)
             peak = self.predicted_peak(plan, tokens)
         if not gradients:
             peak = self.predicted_peak(plan, tokens, gradients=False)
@@ -244,19 +245,25 @@ class Controller(PlanSearch):
             del self.history[:-HISTORY_KEPT // 4]
         return plan
 
+    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
+                 exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
+        """The plan for one micro-batch, not handed to a runtime (what-if planning, the runner-ups):
+        `PlanSearch.plan_for`."""
+        return self.search.plan_for(tokens, exposure_l2, allowance, exclude, row)
+
     def _keeps_all(self, tokens: int, row: int) -> bool:
         """Every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding."""
-        return self.predicted_peak(self._all(KEEP), tokens) <= self.limit(row)
+        return self.predicted_peak(self.all_units(KEEP), tokens) <= self.limit(row)
 
     def runtime_plan(self, plan: dict[str, UnitPlan]) -> dict[str, UnitPlan]:
         """`plan` as the runtime runs it: compressed units round stochastically when the controller was
         built with `stochastic=True` (the cost table prices a format the same either way)."""
-        return {unit: self._as_run(p) for unit, p in plan.items()}
+        return {unit: self.as_run(p) for unit, p in plan.items()}
 
-    def _as_run(self, plan: UnitPlan) -> UnitPlan:
+    def as_run(self, plan: UnitPlan) -> UnitPlan:
         return dataclasses.replace(plan, stochastic=True) if self.stochastic and not plan.exact else plan
 
-    def _all(self, plan: UnitPlan) -> dict[str, UnitPlan]:
+    def all_units(self, plan: UnitPlan) -> dict[str, UnitPlan]:
         """`plan` for every unit."""
         return {u.name: plan for u in self.costs.units}
 
@@ -287,7 +294,7 @@ class Controller(PlanSearch):
         """The exact plans the runtime runs without its hooks: every unit kept, and HF checkpointing as the
         model had it (where it had any)."""
         checkpoint = self.runtime.checkpoint_plan() if self.runtime is not None else None
-        return [self._all(KEEP)] + ([checkpoint] if checkpoint is not None else [])
+        return [self.all_units(KEEP)] + ([checkpoint] if checkpoint is not None else [])
 
     def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
         """The exact exposure of the micro-batch just planned (after its forward, before its backward),
@@ -397,23 +404,9 @@ class Controller(PlanSearch):
         return {"costs": dataclasses.asdict(self.costs), "risk": self.risk.state_dict() if self.risk else None,
                 "risk_budget": self.risk_budget, "memory_factor": self.oom_factor}
 
-    @staticmethod
-    def costs_from_state(state: dict) -> CostTable:
-        fields = dict(state["costs"])
-        fields["units"] = [UnitProfile(**u) for u in fields["units"]]
-        fields["formats"] = tuple(fields["formats"])
-        return CostTable(**fields)
-
-    @staticmethod
-    def risk_from_state(state: dict) -> RiskModel | None:
-        if state["risk"] is None:
-            return None
-        risk = RiskModel()
-        risk.load_state_dict(state["risk"])
-        return risk
-
     def load_state_dict(self, state: dict) -> None:
-        """Budgets and audit state (costs and risk model are passed to the constructor)."""
+        """Budgets and audit state (costs and risk model are passed to the constructor: planner/state.py's
+        `costs_of` and `risk_of` read them from the same state)."""
         self.risk_budget = state["risk_budget"]
         self.oom_factor = state["memory_factor"]  # the measured-peak factor is measured again
         self._cache.clear()

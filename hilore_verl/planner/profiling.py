@@ -17,6 +17,7 @@ from hilore_verl.kernels import payload_ratio
 from hilore_verl.peak_memory import Allocations, allocations
 from hilore_verl.planner.bandwidth import codec_bandwidth, host_bandwidth, sample_bytes
 from hilore_verl.planner.costs import CostTable, UnitProfile, in_layers
+from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import RecoveryUnit, name_in_layer
@@ -82,49 +83,6 @@ def _outside(stats: RuntimeStats) -> int:
     """What a probe's forward left held outside every unit (weight copies are their units')."""
     copies = sum(u.copy_bytes for u in stats.units.values())
     return stats.unmanaged_bytes - copies + stats.unmanaged_held_bytes + stats.index_bytes
-
-
-def quadratic_share(small: float, large: float, r: float) -> float:
-    """Share q of a figure at the larger probe that grows with tokens squared, from the figure at both
-    probes (`r` = small tokens / large tokens): small / large = (1 - q) r + q r^2, q clipped to [0, 1]
-    (a fixed part, e.g. per-call overhead, reads as q < 0: `fixed_share` prices it)."""
-    if large <= 0 or not 0 < r < 1:
-        return 0.0
-    return min(max((r - small / large) / (r - r * r), 0.0), 1.0)
-
-
-def fixed_share(small: float, large: float, r: float, noise: float = 0.0) -> float:
-    """Share a of a figure at the larger probe that does not grow with tokens (per-call overhead: a
-    GPU's launches, or the host's module calls, which bound a small probe), from the figure at both
-    probes: small / large = a + (1 - a) r, where the figure grew less than linearly (r < small /
-    large) by more than `noise` (the ratio's relative uncertainty). A figure that did not grow at all
-    (small / large >= 1) is all fixed: a = 1. Otherwise 0, priced linearly as without a second
-    probe: growth at least linear is the quadratic share's, and growth that noise cannot tell from
-    linear is not measured. (Pricing a fixed cost linearly would scale a tiny probe's call overhead
-    with the tokens of a micro-batch many times its size.)"""
-    if large <= 0 or not 0 < r < 1:
-        return 0.0
-    ratio = small / large
-    if not r < ratio * (1 - noise):
-        return 0.0
-    return min((ratio - r) / (1 - r), 1.0)
-
-
-def _group_times(group: dict[str, str], runs: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
-    """Per group (`group`: unit -> group), over `runs` (unit -> time, one per probe) of its units' summed
-    times: (the fastest, the spread (slowest - fastest) / fastest), inf where a unit did not run."""
-    totals: dict[str, list[float]] = {}
-    for timed in runs:
-        per: dict[str, float] = {}
-        for name, g in group.items():
-            per[g] = per.get(g, 0.0) + timed.get(name, math.inf)
-        for g, t in per.items():
-            totals.setdefault(g, []).append(t)
-    out = {}
-    for g, ts in totals.items():
-        lo, hi = min(ts), max(ts)
-        out[g] = (lo, (hi - lo) / lo if 0 < lo and math.isfinite(hi) else math.inf)
-    return out
 
 
 @dataclass
@@ -394,7 +352,7 @@ def _growth_shares(probes: _Probes, stats: _ProbeStats, units: list[UnitProfile]
     saved_small = {group[u.name]: _unpinned(stats.small_keeps.get(u.layer_index, small_first), u.name, "saved_bytes")
                    for u in probes.probed + probes.heads}
     # the fixed share per group, from the same probes at both sizes (their fastest, and their spread as noise)
-    sized = [_group_times({u.name: group[u.name] for u in units}, probes.runs[size]) for size in (True, False)]
+    sized = [group_times({u.name: group[u.name] for u in units}, probes.runs[size]) for size in (True, False)]
     grows = quadratic_share if quadratic else (lambda *_: 0.0)
     kind = {u.name: u.kind for u in runtime.units}
     for u in units:

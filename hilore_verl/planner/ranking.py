@@ -5,7 +5,7 @@ Runner-ups by exclusion: for each unit, the best plan that does not give it the 
 gives it (one solve per unit, each the optimum of its restricted problem), then keep / recompute's own
 choice (no lossy option). Ranked by the cost model's step time; the chosen plan first: the solver's, or
 a hands-off exact plan that fits and is priced no slower (the runtime's hooks included), as training
-would run it (`Controller._choose`).
+would run it (`PlanSearch.choose`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ exact plans that bound the search (GC's, every unit recomputed) compete where th
 gc_ratio budget GC's hands-off plan always (`Controller.gc_always_fits`); local search
 (planner/refine.py) improves each plan that fits, and the fastest wins. Then the choice of arm: the
 solver's plan, or the cheapest hands-off exact plan where the runtime's measured overhead (or the
-measured trial, planner/arms.py) says it is no slower. `PlanSearch` is a part of `Controller`
-(planner/controller.py), whose memory model, cost table and risk model it plans with.
+measured trial, planner/arms.py) says it is no slower. `Controller` (planner/controller.py) holds one
+`PlanSearch` and hands it itself: the search plans with its memory model, cost table, risk model and arms,
+and changes none of them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's
 
 
 class PlanSearch:
-    """The plan search of `Controller`: it uses the controller's `costs`, `risk`, `runtime`, `arms`,
+    """The plan search of a `Controller` `c`: it reads the controller's `costs`, `risk`, `runtime`, `arms`,
     `measure_baseline`, `memory_factor` and memory model (`predicted_peak`, `limit`, `activation_budget`,
-    `plan_seconds`, `gc_plan`, `gc_always_fits`, `hands_off_plans`, `_all`, `_as_run`)."""
+    `plan_seconds`, `gc_plan`, `gc_always_fits`, `hands_off_plans`, `all_units`, `as_run`)."""
+
+    def __init__(self, controller):
+        self.c = controller
 
     def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
                  exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
@@ -34,49 +38,49 @@ class PlanSearch:
         it: the runner-up, planner/ranking.py)."""
         return self._solve(exposure_l2, tokens, allowance, exclude, row)
 
-    def _choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
+    def choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
         (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py).
         An overhead of 0 (none measured, or within the probe's noise) leaves the choice to the trial."""
-        if self.runtime is not None and self.measure_baseline and self.arms.chosen == "baseline":
+        if self.c.runtime is not None and self.c.measure_baseline and self.c.arms.chosen == "baseline":
             # measured faster until the next recheck (planner/arms.py): no solve needed, where one fits
             chosen = self._fitting_baseline(tokens, row)
             if chosen is not None:
                 return chosen, True
         plan = self._solve(l2, tokens, allowance, row=row)
-        if self.runtime is None:  # what-if planning: nothing runs
+        if self.c.runtime is None:  # what-if planning: nothing runs
             return plan, False
-        if plan in self.hands_off_plans():
+        if plan in self.c.hands_off_plans():
             return plan, False
         baseline = self._fitting_baseline(tokens, row)
         if baseline is None:
             return plan, False
-        overhead = self.costs.runtime_overhead_s  # 0: not measured (no hands-off plan on the probe), or noise
-        if overhead > 0 and self.plan_seconds(baseline, tokens) <= self.plan_seconds(plan, tokens) + overhead:
+        overhead = self.c.costs.runtime_overhead_s  # 0: not measured (no hands-off plan on the probe), or noise
+        if overhead > 0 and self.c.plan_seconds(baseline, tokens) <= self.c.plan_seconds(plan, tokens) + overhead:
             return baseline, False  # the model already says: the baseline
-        if not self.measure_baseline:
+        if not self.c.measure_baseline:
             return plan, False
-        return (baseline if self.arms.arm == "baseline" else plan), True
+        return (baseline if self.c.arms.arm == "baseline" else plan), True
 
     def _fitting_baseline(self, tokens: int, row: int | None) -> dict[str, UnitPlan] | None:
         """The fastest hands-off plan that fits (GC's always under a gc_ratio budget), or None."""
-        limit, gc = self.limit(tokens if row is None else row), self.gc_always_fits()
-        fits = [b for b in self.hands_off_plans() if b == gc or self.predicted_peak(b, tokens) <= limit]
-        return min(fits, key=lambda b: self.plan_seconds(b, tokens)) if fits else None
+        limit, gc = self.c.limit(tokens if row is None else row), self.c.gc_always_fits()
+        fits = [b for b in self.c.hands_off_plans() if b == gc or self.c.predicted_peak(b, tokens) <= limit]
+        return min(fits, key=lambda b: self.c.plan_seconds(b, tokens)) if fits else None
 
     def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
                row: int | None = None) -> dict[str, UnitPlan]:
         risk = None
-        if self.risk is not None and self.risk.calibrated:  # priced with the codec as it will run
-            risk = lambda unit, plan: self.risk.unit_risk(unit, self._as_run(plan), l2)  # noqa: E731
-        options = [[o for o in self.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
-                   for u in self.costs.units]
+        if self.c.risk is not None and self.c.risk.calibrated:  # priced with the codec as it will run
+            risk = lambda unit, plan: self.c.risk.unit_risk(unit, self.c.as_run(plan), l2)  # noqa: E731
+        options = [[o for o in self.c.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
+                   for u in self.c.costs.units]
         if risk is None:  # no risk model, or nothing calibrated yet: lossy modes are not allowed
             allowance = 0.0
-        budget = self.activation_budget(tokens, row)
-        limit = self.limit(tokens if row is None else row)
+        budget = self.c.activation_budget(tokens, row)
+        limit = self.c.limit(tokens if row is None else row)
         # Units are priced one by one (a recomputed unit at what it holds itself); what a layer holds more
         # as one region (its inputs, the outputs it replays) only the memory model knows. So the solver
         # runs again while the model says its plan does not fit, each layer's region bytes of the last
@@ -87,40 +91,40 @@ class PlanSearch:
         for _ in range(MAX_RESOLVES):
             priced = [[dataclasses.replace(o, memory=o.memory + surcharge[u.name])
                        if o.plan == RECOMPUTE and u.name in surcharge else o for o in opts]
-                      for u, opts in zip(self.costs.units, options)]
+                      for u, opts in zip(self.c.costs.units, options)]
             try:
                 solution = solve(priced, budget, allowance)
             except Infeasible as err:  # priced one by one, a whole recomputed layer can look too dear
                 failure = err
                 break
-            plan = {u.name: options[i][k].plan for i, (u, k) in enumerate(zip(self.costs.units, solution.choices))}
-            fits = self.predicted_peak(plan, tokens) <= limit
+            plan = {u.name: options[i][k].plan for i, (u, k) in enumerate(zip(self.c.costs.units, solution.choices))}
+            fits = self.c.predicted_peak(plan, tokens) <= limit
             if fits:
                 if plan in fitting:
                     break
                 fitting.append(plan)
-            _, regions = self.costs.held_by_layer(plan, tokens)
+            _, regions = self.c.costs.held_by_layer(plan, tokens)
             for layer, extra in regions.items():
-                units = [u.name for u in self.costs.units if layer_of(u.name) == layer]
+                units = [u.name for u in self.c.costs.units if layer_of(u.name) == layer]
                 recomputed = sum(plan[n] == RECOMPUTE for n in units)
                 for n in units:  # a plan that fits prices its layers as they are; one that does not, dearer
                     share = extra / max(recomputed, 1)
                     surcharge[n] = share if fits else max(surcharge.get(n, 0.0), share)
-        bounds = [self.gc_plan(), self._all(RECOMPUTE)]
-        fitting += [p for p in bounds if self._allowed(p, exclude) and self.predicted_peak(p, tokens) <= limit]
-        gc = self.gc_always_fits()
+        bounds = [self.c.gc_plan(), self.c.all_units(RECOMPUTE)]
+        fitting += [p for p in bounds if self._allowed(p, exclude) and self.c.predicted_peak(p, tokens) <= limit]
+        gc = self.c.gc_always_fits()
         if gc is not None and gc not in fitting and self._allowed(gc, exclude):
             fitting.append(gc)  # within a gc_ratio budget by definition (Controller.gc_always_fits), unrefined
         if not fitting:
-            if exclude is not None or self.memory_factor >= 1.0:
+            if exclude is not None or self.c.memory_factor >= 1.0:
                 raise failure or Infeasible("no plan fits the memory budget")
             # tightened after a measured overshoot or an out-of-memory error below what any exact plan is
             # predicted to need: the least memory there is (start-up refuses a budget below both)
-            return min(bounds, key=lambda p: self.predicted_peak(p, tokens))
-        refined = [refine(self.costs, options, p, tokens, limit - self.predicted_peak(p, tokens), allowance ** 2)
-                   for p in fitting if self.predicted_peak(p, tokens) <= limit]
-        fitting = [p for p in refined if self.predicted_peak(p, tokens) <= limit] + fitting
-        return min(fitting, key=lambda p: self.plan_seconds(p, tokens))  # the first of equals
+            return min(bounds, key=lambda p: self.c.predicted_peak(p, tokens))
+        refined = [refine(self.c.costs, options, p, tokens, limit - self.c.predicted_peak(p, tokens), allowance ** 2)
+                   for p in fitting if self.c.predicted_peak(p, tokens) <= limit]
+        fitting = [p for p in refined if self.c.predicted_peak(p, tokens) <= limit] + fitting
+        return min(fitting, key=lambda p: self.c.plan_seconds(p, tokens))  # the first of equals
 
     @staticmethod
     def _allowed(plan: dict[str, UnitPlan], exclude: tuple[str, UnitPlan] | None) -> bool:

@@ -1,6 +1,7 @@
 """The controller's state as a file: plain JSON, tagged and validated, so that loading it runs no code.
 
     dump_state(controller.state_dict()) -> text      load_state(text, unit_names) -> state dict
+    costs_of(state), risk_of(state)                  the cost table and risk model a resumed controller is built with
 
 `load_state` refuses, with one ValueError saying what is wrong, anything `dump_state` would not have
 written for this model: not JSON, another format or version, a missing, extra or mistyped field, a
@@ -14,6 +15,7 @@ import json
 
 from hilore_verl import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
+from hilore_verl.risk import RiskModel
 
 STATE_FORMAT = "hilore-verl/controller-state"
 STATE_VERSION = 4
@@ -25,6 +27,23 @@ STATE_VERSION = 4
 # (costs.forward_transient_bytes: 0)
 OLD_VERSIONS = (1, 2, 3)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
+
+
+def costs_of(state: dict) -> CostTable:
+    """The cost table of a state `load_state` returned."""
+    fields = dict(state["costs"])
+    fields["units"] = [UnitProfile(**u) for u in fields["units"]]
+    fields["formats"] = tuple(fields["formats"])
+    return CostTable(**fields)
+
+
+def risk_of(state: dict) -> RiskModel | None:
+    """The risk model of a state `load_state` returned (None: the state had none)."""
+    if state["risk"] is None:
+        return None
+    risk = RiskModel()
+    risk.load_state_dict(state["risk"])
+    return risk
 
 
 def dump_state(state: dict) -> str:
@@ -173,4 +192,4 @@ def _check_risk(risk, names: list[str]) -> None:
         _number("state.risk.grad_scale", risk["grad_scale"], lambda v: v > 0, "> 0 (or null)")
 
 
-__all__ = ["MAX_STATE_BYTES", "STATE_FORMAT", "STATE_VERSION", "dump_state", "load_state"]
+__all__ = ["MAX_STATE_BYTES", "STATE_FORMAT", "STATE_VERSION", "costs_of", "dump_state", "load_state", "risk_of"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hilore_verl.runtime.plan import UnitPlan
+from hilore_verl.runtime.plan import Mode, UnitPlan
 from hilore_verl.runtime.records import CallRecord, LiveKeyMap, Region, storage_id
 from hilore_verl.runtime.stats import StepStats
 from hilore_verl.units import RecoveryUnit
@@ -44,6 +44,10 @@ class Forward:
     top: CallRecord | None = None  # a block region's own code
     tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
     inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
+    rows_needed: bool = True  # a unit compresses: calls note their row shapes (saving.is_row_statistic reads them)
+
+    def __post_init__(self):
+        self.rows_needed = any(p.mode == Mode.COMPRESS for p in self.plans)
 
     def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> None:
         """`t` was made by `unit`'s call `record` (None: outside every unit); the first producer wins

@@ -8,7 +8,8 @@ Hooks, installed once by `attach` and removed by `detach`:
   - a thin `forward` wrapper on every unit module, which during a recompute returns the output
     held for a child call instead of running it again (selective recompute).
 
-Pack and unpack (`runtime/saving.py`): each saved tensor is held by its producer unit's mode.
+Pack and unpack (`runtime/saving.py`, `SavedTensors`, one per runtime): each saved tensor is held by its
+producer unit's mode.
 Recompute (`runtime/recompute.py`): a dropped tensor's region re-runs once in backward.
 
 A forward runs under the plan in force when it started (`set_plan` during a forward applies to the
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Mapping, Union
@@ -31,11 +31,10 @@ import torch.nn as nn
 from hilore_verl import checks
 from hilore_verl.runtime.forward import Forward
 from hilore_verl.runtime.install import Installed
-from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_state, rerun, rng_like, rng_state
-from hilore_verl.runtime.records import CallRecord, Dropped, Region, WaitCount, map_tensors, tensor_leaves
-from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensorHooks, is_parameter_like, unpack
+from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors, tensor_leaves
+from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensors, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
 
@@ -53,7 +52,7 @@ class RuntimeConfig:
         checks.integer("RuntimeConfig.seed", self.seed)
 
 
-class Runtime(SavedTensorHooks):
+class Runtime:
     """Executes a Plan on a model's recovery units. Create with `hilore_verl.attach(model)`."""
 
     def __init__(self, model: nn.Module, units: list[RecoveryUnit], config: RuntimeConfig):
@@ -71,12 +70,8 @@ class Runtime(SavedTensorHooks):
         self._hook_ctx: ExitStack | None = None
         self._replay: Replay | None = None
         self._rehooked = False  # unit hooks re-installed for a recompute after detach
-        self._pools: dict[torch.device, OffloadPool] = {}
-        self._checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (records.FiniteCheck)
-        self._pending_exact = 0  # bytes their exact copies hold beyond the payloads
-        self._check_waits = WaitCount()
+        self.saving = SavedTensors(self)  # the saved-tensor hooks and what they hold (runtime/saving.py)
         self._forwards = 0  # grad-enabled forwards so far: part of each stochastic-rounding seed
-        self._compressions = 0
         self._last: RuntimeStats = StepStats.empty(units).summary(self._plans)
         self.attached = False
 
@@ -152,12 +147,12 @@ class Runtime(SavedTensorHooks):
     def host_waits(self) -> int:
         """Times settling an inf / nan check waited for the device so far (0 on the CPU, where checks are
         read at once; on a GPU, waits mean the checks' copies had not landed when they were needed)."""
-        return self._check_waits.n
+        return self.saving.check_waits.n
 
     def stats(self) -> RuntimeStats:
         """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored
         (pending inf / nan checks settled first), and the offload pools' host bytes."""
-        return self._settled_stats()
+        return self.saving.settled_stats()
 
     def reset(self) -> None:
         """Abandon a forward that did not finish (an exception mid-forward): the next forward starts
@@ -221,16 +216,16 @@ class Runtime(SavedTensorHooks):
 
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
-        self._compressions = 0
+        self.saving.compressions = 0
         self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
                              rerun=self._reruns.of(self._plans))
         self._hook_ctx = ExitStack()
-        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, unpack))
+        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self.saving.pack, unpack))
 
     def _close_forward(self, merge: bool) -> None:
         fwd = self._fwd
-        if self._checks:
-            self._settle_checks(wait=False)
+        if self.saving.checks:
+            self.saving.settle_checks(wait=False)
         try:
             summary = fwd.stats.summary(fwd.plans)  # now, while the held tensors are alive
             self._last = self._last.merged(summary) if merge else summary
@@ -239,7 +234,7 @@ class Runtime(SavedTensorHooks):
 
     def _open_region(self, root, args, kwargs) -> Region:
         region = Region(root)
-        region.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self._hold(t), t.requires_grad))
+        region.inputs = map_tensors((args, kwargs), lambda t: HeldInput(self.saving.hold(t), t.requires_grad))
         region.rng = rng_state((args, kwargs))
         region.autocast = autocast_state()
         region.recompute = self._rerun
@@ -270,8 +265,8 @@ class Runtime(SavedTensorHooks):
             self._replay.post(output)
         elif self._fwd is not None:
             self._exit(module, output)
-            if self._checks:  # exact copies whose checks have landed are let go at each unit's end
-                self._settle_checks(wait=False)
+            if self.saving.checks:  # exact copies whose checks have landed are let go at each unit's end
+                self.saving.settle_checks(wait=False)
 
     def _enter(self, fn, unit: RecoveryUnit, args, kwargs) -> None:
         """Open a call frame of `unit` for `fn` (a unit module, or a function passed to `call`)."""
@@ -297,7 +292,7 @@ class Runtime(SavedTensorHooks):
         statistics can describe (saving.is_row_statistic)."""
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
-                if record is not None:
+                if record is not None and self._fwd.rows_needed:
                     if record.rows is None:
                         record.rows = RowShapes()
                     record.rows.note(t.shape)
@@ -314,7 +309,7 @@ class Runtime(SavedTensorHooks):
         record = fwd.frames[depth]
         del fwd.frames[depth:]  # frames above it belong to calls an exception cut short
         if record.undecided:
-            self._decide(record, fwd)
+            self.saving.decide(record, fwd)
         if record.unit.layer_index is None and not fwd.frames:
             fwd.tail = record.unit  # e.g. a final logit soft-cap the model applies after lm_head
         for path, t in tensor_leaves(output):
@@ -337,7 +332,7 @@ class Runtime(SavedTensorHooks):
             dropped = []
 
             def hold(t):
-                value = self._hold(t)
+                value = self.saving.hold(t)
                 dropped.append(isinstance(value, Dropped))
                 return HeldInput(value, t.requires_grad)
 
@@ -394,7 +389,7 @@ class Runtime(SavedTensorHooks):
         outer, self._replay = self._replay, replay
         try:
             with self._unit_hooks_for_recompute():
-                rerun(region, replay, self._pack, unpack)
+                rerun(region, replay, self.saving.pack, unpack)
         finally:
             self._replay = outer
 

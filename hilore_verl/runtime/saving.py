@@ -17,13 +17,15 @@ polled at each later compressed save, and settled, waiting, by unpack and by `Ru
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.nn as nn
 
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import (Checked, Compressed, Kept, Unchecked, VersionWatch, geometry_of,
+from hilore_verl.runtime.records import (Checked, Compressed, Kept, Unchecked, VersionWatch, WaitCount, geometry_of,
                                          storage_id, storage_key)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -124,17 +126,27 @@ def unpack(x):
     return x if isinstance(x, torch.Tensor) else x.get()
 
 
-class SavedTensorHooks:
-    """Pack side of `Runtime` (a mixin: it uses the runtime's forward state, registry and plans)."""
+class SavedTensors:
+    """The runtime's saved-tensor hooks (`pack`; `unpack` above) and what they hold beyond one forward: the
+    offload pools, the inf / nan checks not settled yet. One per `Runtime`, which installs `pack` for each
+    grad-enabled forward; it reads the runtime's forward state (its registry and plans), changes none of it."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.pools: dict[torch.device, OffloadPool] = {}
+        self.checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (records.FiniteCheck)
+        self.pending_exact = 0  # bytes their exact copies hold beyond the payloads
+        self.check_waits = WaitCount()
+        self.compressions = 0  # in the current forward: part of each stochastic-rounding seed
 
     def _managed(self, t: torch.Tensor) -> bool:
         return (not t.is_nested and t.dtype in FLOAT_DTYPES
-                and t.numel() * t.element_size() >= self.config.min_bytes and not is_parameter_like(t))
+                and t.numel() * t.element_size() >= self.rt.config.min_bytes and not is_parameter_like(t))
 
-    def _pack(self, t: torch.Tensor):
-        if self._replay is not None:
-            return self._replay.pack(t)
-        fwd = self._fwd
+    def pack(self, t: torch.Tensor):
+        if self.rt._replay is not None:
+            return self.rt._replay.pack(t)
+        fwd = self.rt._fwd
         frame = fwd.frames[-1] if fwd.frames else None
         own_index = None
         if frame is not None:
@@ -146,7 +158,7 @@ class SavedTensorHooks:
         if kind == "copy" and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
             # a weight copy made inside a recomputed call: its re-run makes it again (never compressed)
             return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
-        small = t.numel() * t.element_size() < self.config.min_bytes
+        small = t.numel() * t.element_size() < self.rt.config.min_bytes
         if (not kind and not small and t.dtype not in FLOAT_DTYPES and frame is not None
                 and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE):
             # an integer or bool tensor (MoE routing indices, masks) saved inside a recomputed call: its
@@ -158,7 +170,7 @@ class SavedTensorHooks:
             # the stats watch what lives as long as the graph; a weight copy is its call's unit's
             fwd.stats.add_unmanaged(kept.tensor, leaf, frame.unit if kind == "copy" and frame is not None else None)
             return kept
-        entry = self._fwd.lookup(t)
+        entry = self.rt._fwd.lookup(t)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
             geometry = geometry_of(t, entry.anchor()) if record is not None else None
@@ -166,10 +178,10 @@ class SavedTensorHooks:
             unit, record, locator, geometry = frame.unit, frame, ("own", own_index), None
         else:
             unit = None
-        if frame is not None:
+        if frame is not None and fwd.rows_needed:  # what tells a later save of a per-row statistic
             if frame.rows is None:
                 frame.rows = RowShapes()
-            frame.rows.note(t.shape)  # what tells a later save of a per-row statistic
+            frame.rows.note(t.shape)
         if unit is None and fwd.inputs_of is not None:
             # an input of a standalone call, made before it (in the closed forward): the call's unit owns
             # the save, kept exact in every mode (the call cannot make it again): counted as pinned, so the
@@ -246,7 +258,7 @@ class SavedTensorHooks:
         count(unit, key, t, stored=0)
         return handle
 
-    def _decide(self, record, fwd) -> None:
+    def decide(self, record, fwd) -> None:
         """At the end of `record`'s call: its undecided saves, with every row of the call known."""
         for undecided in record.undecided:
             t, plan = undecided.tensor, fwd.plans[record.unit.index]
@@ -260,7 +272,7 @@ class SavedTensorHooks:
     def _compress(self, t, unit, key, plan, statistic: bool, count, saved: bool, fwd, watch=None):
         """Hold `t` as a compressed unit's save: a statistic or a tensor the codec cannot take (non-finite,
         or no group fits) exact and counted; else its payload (shared by every save of its storage)."""
-        self._settle_checks(wait=False)
+        self.settle_checks(wait=False)
         held = fwd.compressed.get(key)
         if held is None:
             payload = None if statistic else self._quantize(t, plan)
@@ -290,8 +302,8 @@ class SavedTensorHooks:
             source = t.view(-1, g)
         else:
             return None
-        self._compressions += 1
-        seed = hash((self.config.seed, self._forwards, self._compressions)) & 0x7FFFFFFF
+        self.compressions += 1
+        seed = hash((self.rt.config.seed, self.rt._forwards, self.compressions)) & 0x7FFFFFFF
         return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
 
     def _unchecked(self, t: torch.Tensor, payload, stored) -> Unchecked:
@@ -301,43 +313,43 @@ class SavedTensorHooks:
         dm = torch.get_device_module(t.device.type)
         done = dm.Event()
         done.record(dm.current_stream(t.device))  # after the copy, on the stream that queued it
-        held = Unchecked(t, stored, flag, done, self._check_waits)
-        self._checks.append(held.check)
-        self._pending_exact += held.check.delta
+        held = Unchecked(t, stored, flag, done, self.check_waits)
+        self.checks.append(held.check)
+        self.pending_exact += held.check.delta
         return held
 
-    def _settle_checks(self, wait: bool) -> None:
+    def settle_checks(self, wait: bool) -> None:
         """Settle pending checks in order, up to the first whose copy has not landed (all, if `wait`).
         While the exact copies they hold beyond their payloads pass PENDING_EXACT_BYTES, the oldest is
         waited for: the host is then that far ahead of the device, so the wait leaves it work queued."""
-        checks = self._checks
-        while checks and checks[0].settle(wait or self._pending_exact > PENDING_EXACT_BYTES):
-            self._pending_exact -= checks.popleft().delta
+        checks = self.checks
+        while checks and checks[0].settle(wait or self.pending_exact > PENDING_EXACT_BYTES):
+            self.pending_exact -= checks.popleft().delta
 
-    def _settled_stats(self):
+    def settled_stats(self):
         """The last forward's stats with every pending check settled and the offload pools' bytes now."""
-        self._settle_checks(wait=True)
-        stats = self._last
-        stats.offload_pool_bytes = sum(pool.held_bytes for pool in self._pools.values())
-        stats.offload_pool_peak_bytes = sum(pool.peak_bytes for pool in self._pools.values())
+        self.settle_checks(wait=True)
+        stats = self.rt._last
+        stats.offload_pool_bytes = sum(pool.held_bytes for pool in self.pools.values())
+        stats.offload_pool_peak_bytes = sum(pool.peak_bytes for pool in self.pools.values())
         return stats
 
     def _offload_pool(self, device: torch.device) -> OffloadPool:
-        pool = self._pools.get(device)
+        pool = self.pools.get(device)
         if pool is None:
-            pool = self._pools[device] = OffloadPool(device)
+            pool = self.pools[device] = OffloadPool(device)
         return pool
 
-    def _hold(self, t: torch.Tensor):
+    def hold(self, t: torch.Tensor):
         """How a tensor needed for a later recompute is held: by its producer's mode."""
-        entry = self._fwd.lookup(t) if self._managed(t) else None
+        entry = self.rt._fwd.lookup(t) if self._managed(t) else None
         if entry is None or entry.unit is None or entry.record is None:
             kept = Kept(t, alias=not isinstance(t, nn.Parameter))
-            self._fwd.stats.add_unmanaged_held(kept.tensor)
+            self.rt._fwd.stats.add_unmanaged_held(kept.tensor)
             if entry is not None and entry.unit is None:  # a later save by a compressed unit shares it
-                adopted, key = self._fwd.adopted, (storage_id(t),)
+                adopted, key = self.rt._fwd.adopted, (storage_id(t),)
                 owner, _ = adopted.get(key) or (None, False)
                 adopted.put(key, t, (owner, True))
             return kept
-        return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self._fwd,
+        return self._store(t, entry.unit, entry.record, entry.locator, geometry_of(t, entry.anchor()), self.rt._fwd,
                            saved=False)

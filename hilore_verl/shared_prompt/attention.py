@@ -69,10 +69,6 @@ def shared_layout(layout: SharedLayout) -> Iterator[SharedLayout]:
         _LAYOUT.reset(token)
 
 
-def current_layout() -> SharedLayout | None:
-    return _LAYOUT.get()
-
-
 _FLEX_FAILED: list[str] = []  # why FlexAttention failed in this process (then the per-segment path serves)
 # kernel -> {"forward": calls, "backward": calls} that kernel served since the last `reset_served()`
 _SERVED: dict[str, dict[str, int]] = {}

@@ -106,10 +106,6 @@ class SharedLayout:
         return int(self.input_ids.shape[1])
 
     @property
-    def num_sequences(self) -> int:
-        return len(self.response_lens)
-
-    @property
     def shared_groups(self) -> int:
         """Segments holding a prompt computed once for more than one response."""
         return sum(1 for g in self.groups if g.shared and len(g.response_lens) > 1)

@@ -1,4 +1,4 @@
-"""The data-parallel reductions a HiLoRe session needs (session.Collectives), over torch.distributed.
+"""The data-parallel reductions a HiLoRe session needs (host.Collectives), over torch.distributed.
 
 Every collective HiLoRe issues during training is here or in the engine that owns the group:
 the planner, the runtime and the session only call these methods.
@@ -215,7 +215,7 @@ def _abort() -> None:
 
 def collectives_for(group, fault_timeout_s: float):
     """DataParallel over `group` when torch.distributed is initialised, else one process."""
-    from hilore_verl.session import SingleProcess
+    from hilore_verl.host import SingleProcess
 
     if not (dist.is_available() and dist.is_initialized()):
         return SingleProcess()

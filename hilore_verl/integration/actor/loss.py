@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -115,26 +115,24 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
 
 
 def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,
-                   micro_batch_sizes: Sequence[int] | None = None,
                    global_batch_info: Mapping[str, Any] | None = None) -> exposure.Exposure:
     """`exposure.summarize` with the entropy bound that verl's actor config calls for.
 
     With `actor_config.entropy_coeff` != 0, each token gets |entropy_coeff| * w_t * 2 ln V on top of
     |c_t|, w_t from `aggregation_weights` for the config's `loss_agg_mode` (and `loss_scale_factor`)
     in the same view as c (`global_batch_info` as given to `loss_coefficients`); `vocab_size` is
-    then required. With entropy_coeff 0 this is `exposure.summarize(c, response_mask, micro_batch_sizes)`.
+    then required. With entropy_coeff 0 this is `exposure.summarize(c, response_mask)`.
     """
     c, response_mask = exposure.padded("c", c), exposure.padded("response_mask", response_mask)
     coeff = float(getattr(actor_config, "entropy_coeff", 0.0) or 0.0)
     if not coeff:
-        return exposure.summarize(c, response_mask, micro_batch_sizes)
+        return exposure.summarize(c, response_mask)
     if not vocab_size or vocab_size < 2:
         raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
     info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
     info.update(global_batch_info or {})
     weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
-    return exposure.summarize(c, response_mask, micro_batch_sizes, entropy_coeff=coeff, entropy_weights=weights,
-                     vocab_size=vocab_size)
+    return exposure.summarize(c, response_mask, entropy_coeff=coeff, entropy_weights=weights, vocab_size=vocab_size)
 
 # Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
 # sequence's) log-probs, with no term across sequences: a sequence whose advantages are all 0 has a zero

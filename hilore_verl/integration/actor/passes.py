@@ -1,4 +1,4 @@
-"""What the session asks of verl's FSDP engine (session.Passes), and how a verl batch is read.
+"""What the session asks of verl's FSDP engine (host.Passes), and how a verl batch is read.
 
 `VerlPasses` runs the session's probe, calibration and audit passes through the engine's own
 `plain_forward_step` (verl's forward, loss and log-probs, without the session's per-micro-batch
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hilore_verl import exposure
 from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
 from hilore_verl.recovery import reset_after_failure
 from verl.utils import tensordict_utils as tu
@@ -23,9 +24,8 @@ if TYPE_CHECKING:
 
 
 def padded(data, key):
-    """A field of verl's batch as a padded tensor (nested: padded with zeros)."""
-    value = data[key]
-    return torch.nested.to_padded_tensor(value, 0.0) if value.is_nested else value
+    """A field of verl's batch as a padded tensor (nested: padded with zeros, `exposure.padded`)."""
+    return exposure.padded(key, data[key])
 
 
 def sequence_lengths_tensor(data) -> torch.Tensor:
@@ -43,7 +43,7 @@ def sequence_lengths(data) -> list[int]:
 
 
 class VerlPasses:
-    """What the session asks of verl's FSDP engine (session.Passes): passes run through verl's own
+    """What the session asks of verl's FSDP engine (host.Passes): passes run through verl's own
     forward_step, without the session's per-micro-batch hooks."""
 
     def __init__(self, engine: "HiLoReFSDPEngine"):
