@@ -44,7 +44,7 @@ class Forward:
     top: CallRecord | None = None  # a block region's own code
     tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
     inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
-    rows_needed: bool = True  # a unit compresses: calls note their row shapes (saving.is_row_statistic reads them)
+    rows_needed: bool = field(init=False)  # a unit compresses: calls note their row shapes (saving.is_row_statistic)
 
     def __post_init__(self):
         self.rows_needed = any(p.mode == Mode.COMPRESS for p in self.plans)

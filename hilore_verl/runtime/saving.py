@@ -138,10 +138,11 @@ class SavedTensors:
         self.pending_exact = 0  # bytes their exact copies hold beyond the payloads
         self.check_waits = WaitCount()
         self.compressions = 0  # in the current forward: part of each stochastic-rounding seed
+        self.min_bytes = runtime.config.min_bytes  # smaller saves are kept as they are (RuntimeConfig, frozen)
 
     def _managed(self, t: torch.Tensor) -> bool:
         return (not t.is_nested and t.dtype in FLOAT_DTYPES
-                and t.numel() * t.element_size() >= self.rt.config.min_bytes and not is_parameter_like(t))
+                and t.numel() * t.element_size() >= self.min_bytes and not is_parameter_like(t))
 
     def pack(self, t: torch.Tensor):
         if self.rt._replay is not None:
@@ -158,7 +159,7 @@ class SavedTensors:
         if kind == "copy" and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
             # a weight copy made inside a recomputed call: its re-run makes it again (never compressed)
             return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
-        small = t.numel() * t.element_size() < self.rt.config.min_bytes
+        small = t.numel() * t.element_size() < self.min_bytes
         if (not kind and not small and t.dtype not in FLOAT_DTYPES and frame is not None
                 and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE):
             # an integer or bool tensor (MoE routing indices, masks) saved inside a recomputed call: its
@@ -170,7 +171,7 @@ class SavedTensors:
             # the stats watch what lives as long as the graph; a weight copy is its call's unit's
             fwd.stats.add_unmanaged(kept.tensor, leaf, frame.unit if kind == "copy" and frame is not None else None)
             return kept
-        entry = self.rt._fwd.lookup(t)
+        entry = fwd.lookup(t)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
             geometry = geometry_of(t, entry.anchor()) if record is not None else None
