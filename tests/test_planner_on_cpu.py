@@ -681,6 +681,68 @@ def test_a_held_arm_runs_without_a_trial_until_the_recheck():
         ArmTrial().hold("gc")
 
 
+def test_compressing_plans_that_beat_hands_off_are_timed_against_the_exact_plans():
+    """Stage one: the solver's plans against hands-off. Where they win and compressed, stage two times them
+    against the solver's exact plans (label "exact"), from a fresh trial (warm-ups again); the exact plans
+    measured faster run. Plans that win stage one without compressing run at once; the recheck starts again
+    from stage one; `hold("exact")` repeats the second stage's baseline."""
+    from hilore_verl.planner.arms import TRIALS, ArmTrial
+
+    def run(times, lossy):  # until a choice; each mini-batch's relative time by what it ran
+        arms, last, labels = ArmTrial(recheck_every=3), None, []
+        while arms.chosen is None:
+            assert len(labels) < 40, labels
+            arms.record(last)
+            labels.append(arms.label)
+            arms.informative, arms.lossy = True, arms.lossy or (lossy and arms.arm == "plan")
+            last = times[arms.label]
+        return arms, labels
+
+    arms, labels = run({"plan": 0.9, "baseline": 1.0, "exact": 0.8}, lossy=True)
+    first = 2 + 2 * TRIALS  # each arm's warm-up and TRIALS pairs
+    assert set(labels[:first]) == {"plan", "baseline"} and "exact" not in labels[:first]
+    assert labels[first] == "plan" and "exact" in labels[first:] and "baseline" not in labels[first:]
+    assert arms.stage == "exact" and arms.chosen == "baseline" and arms.label == "exact"
+    assert arms.metrics()["hilore/arm/exact"] == 1.0 and arms.metrics()["hilore/arm/baseline"] == 0.0
+    assert arms.ratio() == pytest.approx(0.9 / 0.8)  # the last stage's pairs
+    for _ in range(3):  # recheck_every mini-batches on the choice, then both timed again, from stage one
+        arms.record(0.8)
+    assert arms.stage == "hands_off" and arms.chosen is None and arms.label == "plan" and not arms.lossy
+    arms, labels = run({"plan": 0.9, "baseline": 1.0, "exact": 0.95}, lossy=True)
+    assert arms.stage == "exact" and arms.chosen == "plan"  # compression measured faster than the exact plans
+    arms, labels = run({"plan": 0.9, "baseline": 1.0, "exact": 0.8}, lossy=False)
+    assert "exact" not in labels and arms.chosen == "plan" and arms.stage == "hands_off"
+    held = ArmTrial()
+    held.hold("exact")
+    assert held.label == "exact" and held.chosen == "baseline" and held.stage == "exact"
+
+
+def test_the_trials_second_stage_runs_the_solvers_plan_or_its_best_exact_plan():
+    """In the second stage the baseline arm runs the solver's best exact plan (keep / recompute only,
+    through the runtime) even where a zero exposure makes compression free of risk; the plan arm the
+    solver's compressing plan; each cached apart; once the exact plans are chosen, no compressing solve."""
+    _, rt, run, tokens = _checkpointed_tiny()
+    costs = _gpu_like(profile(rt, run, tokens, element_size=4))
+    ctl = Controller(rt, costs, _flat_risk(costs.units), ROOMY, risk_budget=0.002)
+    ctl.begin_mini_batch([0.0], [tokens])
+    plan = _applied(ctl, rt, 0)
+    lossy = [n for n, p in plan.items() if not p.exact]
+    assert lossy and ctl.arms.lossy and ctl.arms.informative  # stage one's plan arm: it compressed
+    ctl.arms.stage = "exact"
+    ctl.arms.arm = "baseline"
+    exact = _applied(ctl, rt, 0)
+    assert all(p.exact for p in exact.values()) and exact != plan and not rt.hands_off
+    assert exact == ctl.search._solve(0.0, tokens, 0.0, exact=True)
+    ctl.arms.arm = "plan"
+    assert _applied(ctl, rt, 0) == plan
+    ctl.arms.arm = ctl.arms.chosen = "baseline"
+    ctl._cache.clear()
+    solve = ctl.search._solve
+    ctl.search._solve = lambda *a, exact=False, **k: solve(*a, exact=exact, **k) if exact else pytest.fail(
+        "a compressing solve while the exact plans are the measured choice")
+    assert _applied(ctl, rt, 0) == exact and ctl.metrics()["hilore/arm/exact"] == 1.0
+
+
 def test_the_trial_compares_mini_batches_of_different_sizes_by_the_modelled_time_of_gcs_plan():
     """The controller hands the trial each mini-batch's seconds over the cost model's seconds for GC's plan on
     the same micro-batches: a mini-batch twice the tokens measured twice the time is no slower."""

@@ -85,7 +85,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
-    arm = built.controller.arms.arm if built.controller is not None else None  # the timed row's arm, held
+    arm = built.controller.arms.label if built.controller is not None else None  # the timed row's arm, held
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
             "arm": arm, "tensor_peak_kib": tensors}
 

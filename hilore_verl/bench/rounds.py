@@ -49,9 +49,10 @@ class StopRule:
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
-    settle_max: int = 2 * MAX_TRIALS + 4
+    settle_max: int = 2 * (2 * MAX_TRIALS + 2) + 2
     """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`): the measured
-    trial's longest (MAX_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first plans' two steps."""
+    trial's longest (two stages of MAX_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first
+    plans' two steps."""
     sweep_time_cap_s: float = 300.0
     """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
 

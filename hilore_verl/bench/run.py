@@ -314,12 +314,13 @@ class _Timer:
                 "distinct_plans": len(set(self.plans[key][-n:]))}
 
     def trial(self, key) -> dict:
-        """The measured trial's outcome for a row: the arm it chose ("undecided": still timing both when the
+        """The measured trial's outcome for a row: what it chose (arms.LABELS; "undecided": still timing both when the
         settle steps ran out, so the timed rounds mixed them; "no trial": no plan other than the baseline)."""
         c = self.controller(key)
         if c is None:
             return {}
-        return {"arm": c.arms.chosen or ("undecided" if c.arms.informative else "no trial"),
+        arm = c.arms.label if c.arms.chosen else "undecided" if c.arms.informative else "no trial"
+        return {"arm": arm,
                 "plan_over_baseline": c.arms.ratio()}
 
     def add(self, key: tuple, controller: Controller) -> None:

@@ -196,7 +196,7 @@ class SessionMethod(Method):
         """What a fresh process needs to run the same planner without profiling again, on the arm its
         measured trial runs now (planner/arms.py; a fresh trial would time the baseline second)."""
         return {"controller": self.session.state_dict(), "budget": (self.hilore.budget.mode, self.hilore.budget.value),
-                "risk_budget": self.hilore.risk_budget, "arm": self.controller.arms.arm}
+                "risk_budget": self.hilore.risk_budget, "arm": self.controller.arms.label}
 
     def predicted(self, tokens: int) -> dict:
         """The controller's last plan at `tokens`: predicted peak, and predicted seconds over keeping every

@@ -5,7 +5,8 @@ exact plans that bound the search (GC's, every unit recomputed) compete where th
 gc_ratio budget GC's hands-off plan always (`Controller.gc_always_fits`); local search
 (planner/refine.py) improves each plan that fits, and the fastest wins. Then the choice of arm: the
 solver's plan, or the cheapest hands-off exact plan where the runtime's measured overhead (or the
-measured trial, planner/arms.py) says it is no slower. `Controller` (planner/controller.py) holds one
+measured trial, planner/arms.py) says it is no slower, and in the trial's second stage the solver's
+best exact plan where it measures faster than the compressing one. `Controller` (planner/controller.py) holds one
 `PlanSearch` and hands it itself: the search plans with its memory model, cost table, risk model and arms,
 and changes none of them.
 """
@@ -42,9 +43,14 @@ class PlanSearch:
         """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
         hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
         plan gains less over it than the runtime's measured overhead per micro-batch
-        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py).
+        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py);
+        in the trial's second stage, the solver's plan or its best exact plan (keep / recompute only).
         An overhead of 0 (none measured, or within the probe's noise) leaves the choice to the trial."""
-        if self.c.runtime is not None and self.c.measure_baseline and self.c.arms.chosen == "baseline":
+        arms = self.c.arms
+        trial = self.c.runtime is not None and self.c.measure_baseline
+        if trial and arms.stage == "exact":
+            return self._against_exact(l2, tokens, allowance, row)
+        if trial and arms.chosen == "baseline":
             # measured faster until the next recheck (planner/arms.py): no solve needed, where one fits
             chosen = self._fitting_baseline(tokens, row)
             if chosen is not None:
@@ -62,7 +68,21 @@ class PlanSearch:
             return baseline, False  # the model already says: the baseline
         if not self.c.measure_baseline:
             return plan, False
-        return (baseline if self.c.arms.arm == "baseline" else plan), True
+        arms.lossy |= arms.arm == "plan" and not all(p.exact for p in plan.values())
+        return (baseline if arms.arm == "baseline" else plan), True
+
+    def _against_exact(self, l2: float, tokens: int, allowance: float,
+                       row: int | None) -> tuple[dict[str, UnitPlan], bool]:
+        """The trial's second stage: the solver's plan, or its best exact plan where the arm (or the
+        measured choice) says so; no choice where the solver's plan is exact already."""
+        arms = self.c.arms
+        if arms.chosen != "baseline":
+            plan = self._solve(l2, tokens, allowance, row=row)
+            if all(p.exact for p in plan.values()):
+                return plan, False
+            if arms.arm == "plan":
+                return plan, True
+        return self._solve(l2, tokens, 0.0, row=row, exact=True), True
 
     def _fitting_baseline(self, tokens: int, row: int | None) -> dict[str, UnitPlan] | None:
         """The fastest hands-off plan that fits (GC's always under a gc_ratio budget), or None."""
@@ -71,12 +91,14 @@ class PlanSearch:
         return min(fits, key=lambda b: self.c.plan_seconds(b, tokens)) if fits else None
 
     def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
-               row: int | None = None) -> dict[str, UnitPlan]:
+               row: int | None = None, exact: bool = False) -> dict[str, UnitPlan]:
+        """The fastest plan that fits (the module's docstring); `exact`: keep / recompute only (a zero
+        exposure makes compression free of risk, so an allowance of 0 alone does not rule it out)."""
         risk = None
         if self.c.risk is not None and self.c.risk.calibrated:  # priced with the codec as it will run
             risk = lambda unit, plan: self.c.risk.unit_risk(unit, self.c.as_run(plan), l2)  # noqa: E731
-        options = [[o for o in self.c.costs.options(u, tokens, risk) if (u.name, o.plan) != exclude]
-                   for u in self.c.costs.units]
+        options = [[o for o in self.c.costs.options(u, tokens, risk)
+                    if (u.name, o.plan) != exclude and (o.plan.exact or not exact)] for u in self.c.costs.units]
         if risk is None:  # no risk model, or nothing calibrated yet: lossy modes are not allowed
             allowance = 0.0
         budget = self.c.activation_budget(tokens, row)
