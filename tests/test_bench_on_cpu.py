@@ -365,3 +365,25 @@ def test_cli_attention_per_sequence_by_default_and_dense_on_request(monkeypatch,
     assert cli.main(["bench", "--shared-prompt", "--dense-attention"]) == 2
     assert "computes attention per sequence; drop --dense-attention" in capsys.readouterr().err
     assert not seen
+
+
+def test_a_planner_moved_to_another_budget_hands_that_budget_to_its_peak_process():
+    """`--budget` moves a planner's controller after it is built (at 1.10); the state a fresh peak process
+    starts from carries the controller's budget, so the peak row plans what the timed rows ran (it carried
+    the build's 1.10 and measured a plan with fewer kept units)."""
+    from hilore_verl.bench import methods as M
+    from hilore_verl.bench import run as R
+    from hilore_verl.bench.actor_update import make_batch
+
+    config = dataclasses.replace(SMALL, per_sequence_attention=True)
+    batch = make_batch(config)
+    method = M.build("keep_recompute", config, batch)
+    method.session.controller = R._controller_at(method, batch, 1.5)
+    method.step(batch)
+    state = method.state()
+    assert state["budget"] == ("gc_ratio", 1.5)
+    fresh = M.build_from_state("keep_recompute", config, batch, state)
+    assert fresh.controller.budget == method.controller.budget
+    assert fresh.controller.memory_budget == pytest.approx(method.controller.memory_budget)
+    fresh.step(batch)
+    assert fresh.controller.history[-1].plan == method.controller.history[-1].plan

@@ -36,6 +36,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
 
     from hilore_verl import kernels
     from hilore_verl.bench import methods as M
+    from hilore_verl.bench.timer import spelled
     from hilore_verl.bench.actor_update import BenchConfig, make_batch
     from hilore_verl.planner import BudgetConfig
 
@@ -85,9 +86,11 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
         stats = built.runtime.stats()
         held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
-    arm = built.controller.arms.label if built.controller is not None else None  # the timed row's arm, held
+    c = built.controller
+    arm = c.arms.label if c is not None else None  # the timed row's arm, held
+    plan = spelled(c.history[-1].plan) if c is not None and c.history else None  # the plan measured here
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
-            "arm": arm, "tensor_peak_kib": tensors}
+            "arm": arm, "plan": plan, "tensor_peak_kib": tensors}
 
 
 def state_bytes(model, optimizer) -> int:

@@ -194,8 +194,10 @@ class SessionMethod(Method):
 
     def state(self) -> dict:
         """What a fresh process needs to run the same planner without profiling again, on the arm its
-        measured trial runs now (planner/arms.py; a fresh trial would time the baseline second)."""
-        return {"controller": self.session.state_dict(), "budget": (self.hilore.budget.mode, self.hilore.budget.value),
+        measured trial runs now (planner/arms.py; a fresh trial would time the baseline second), under the
+        budget its controller plans with (the bench moves a planner's controller to `--budget`)."""
+        budget = self.controller.budget
+        return {"controller": self.session.state_dict(), "budget": (budget.mode, budget.value),
                 "risk_budget": self.hilore.risk_budget, "arm": self.controller.arms.label}
 
     def predicted(self, tokens: int) -> dict:

@@ -18,13 +18,14 @@ interval of the mean r (Student's t, intervals.py) decides:
     neither, MAX_TRIALS pairs   no measured gain: the baseline runs (exact, and the runtime's hooks off)
     neither, fewer pairs        another pair
 
-Two stages. The first ("hands_off") compares the solver's plans with the hands-off baseline. Where they
-win and some of them compress, a second ("exact") compares them, the same way, with the solver's best
-exact plans (keep / recompute only, through the runtime) as the baseline arm: compression must also beat
-spending the same headroom on keeping units (on the 2-core CPU at 1.25x and 1.5x GC's peak the int8
-plans won against GC's plan and lost to keep / recompute: 0.988x and 1.059x GC's throughput against
-1.039x and 1.099x, docs/benchmarks/bench_cpu.md). `label` names what runs: "plan" (the solver's),
-"baseline" (hands-off) or "exact" (the exact plans, the second stage's baseline).
+Compressing plans meet the exact ones first. Where the solver's plans compress (a lossy unit in a
+micro-batch of the stage "hands_off" just begun), the trial first runs the stage "exact": the solver's
+plans against its best exact plans (keep / recompute only, through the runtime), the same way; its
+winner (the exact plans where undecided) then faces the hands-off baseline in the stage "hands_off".
+Compression must beat spending the same headroom on kept units, and whichever wins must beat the
+plain model (on the 2-core CPU at 1.25x and 1.5x GC's peak the int8 plans beat GC's plan, or tied it,
+where keep / recompute plans were faster than both: bench_cpu.md). `label` names what runs: "plan"
+(the solver's), "exact" (its exact plans) or "baseline" (hands-off).
 
 A choice of the plans needs evidence; a median of three samples each did not give it (on the 2-core
 CPU, steps spread by ~4%: a trial once read the plans 4% faster where 29 paired bench rounds measured
@@ -41,9 +42,9 @@ after a fault is not a sample.
 
     arms = ArmTrial()
     arms.record(relative_seconds)      # the last mini-batch's time over its size, or None; picks this one's arm
-    arms.arm, arms.stage               # "plan" or "baseline"; "hands_off" or "exact" (what "baseline" is)
+    arms.label                         # what this mini-batch runs: "plan", "exact" or "baseline"
     arms.informative = True            # a micro-batch of this mini-batch had a choice
-    arms.lossy = True                  # ... and the plan it ran compressed
+    arms.lossy = True                  # a micro-batch's solver plan compressed
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ MAX_TRIALS = 8  # pairs at most: still no measured gain, the baseline runs
 RECHECK_EVERY = 200  # mini-batches on the chosen arm before timing both again
 ARMS = ("plan", "baseline")
 ORDER = ("plan", "baseline", "baseline", "plan")  # the arm of the k-th sample: ORDER[k % 4]
-STAGES = ("hands_off", "exact")  # the baseline arm of the first stage and of the second
-LABELS = ("plan", "baseline", "exact")  # what runs: the solver's plans, hands-off, the exact plans
+STAGES = ("exact", "hands_off")  # the solver's plans against its exact plans, then the winner against hands-off
+LABELS = ("plan", "exact", "baseline")  # what runs: the solver's plans, its exact plans, hands-off
 
 
 @dataclass
@@ -73,11 +74,13 @@ class ArmTrial:
     recheck_every: int = RECHECK_EVERY
     arm: str = "plan"  # the arm the current mini-batch runs
     chosen: str | None = None  # the measured winner, until the next recheck
-    stage: str = "hands_off"  # what the baseline arm runs (STAGES)
+    stage: str = "hands_off"  # STAGES: what the arms run (`label`)
+    contender: str = "plan"  # in the stage "hands_off": what the plan arm runs ("plan" or "exact")
+    exact_done: bool = False  # the stage "exact" ran in this trial
     informative: bool = False  # the current mini-batch had a micro-batch whose plan differs from its baseline
-    lossy: bool = False  # a plan-arm mini-batch of this stage ran a compressing plan with a choice
+    lossy: bool = False  # the current mini-batch had a micro-batch whose solver plan compressed
     samples: dict[str, list[float]] = field(default_factory=lambda: {a: [] for a in ARMS})
-    warmed: set = field(default_factory=set)  # arms whose first mini-batch of this trial ran (not a sample)
+    warmed: set = field(default_factory=set)  # arms whose first mini-batch of this stage ran (not a sample)
     since_choice: int = 0
 
     def record(self, relative_seconds: float | None) -> None:
@@ -85,42 +88,46 @@ class ArmTrial:
         if self.chosen is None and relative_seconds is not None and relative_seconds > 0 and self.informative:
             if self.arm in self.warmed:
                 self.samples[self.arm].append(relative_seconds)
-            else:  # the arm's first mini-batch of the trial: a warm-up, and the arm runs again
+            else:  # the arm's first mini-batch of the stage: a warm-up, and the arm runs again
                 self.warmed.add(self.arm)
-        self.informative = False
+        lossy, self.informative, self.lossy = self.lossy, False, False
         if self.chosen is not None:
             self.since_choice += 1
             if self.since_choice < self.recheck_every:
                 return
-            self._restart("hands_off")
+            self._restart("hands_off", "plan", exact_done=False)
+        if self.stage == "hands_off" and self.contender == "plan" and lossy and not self.exact_done:
+            self._restart("exact", "plan", exact_done=True)  # compressing plans: against the exact ones first
+            return
         verdict = self._verdict()
         if verdict is None:  # the next sample's arm
             self.arm = ORDER[sum(len(s) for s in self.samples.values()) % len(ORDER)]
             return
         mean, low, high = mean_ci(self.pairs())
-        second = verdict == "plan" and self.stage == "hands_off" and self.lossy
-        what = ("solver's plans" if verdict == "plan" else
-                "baseline (hands-off)" if self.stage == "hands_off" else "exact plans (keep / recompute)")
-        logger.warning("hilore-verl: measured over %d pairs of mini-batches, the solver's plans take %.3fx the %s's "
-                       "time [95%%: %.3f, %.3f]: %s", len(self.pairs()), mean,
-                       "hands-off baseline" if self.stage == "hands_off" else "exact plans", low, high,
-                       "now timing them against the exact plans (they compress)" if second else
-                       f"running the {what} for the next {self.recheck_every} mini-batches")
-        if second:
-            self._restart("exact")
+        ran = {"plan": "solver's plans", "exact": "exact plans (keep / recompute)", "baseline": "hands-off baseline"}
+        first, second = ("plan", "exact") if self.stage == "exact" else (self.contender, "baseline")
+        winner = first if verdict == "plan" else second
+        logger.warning("hilore-verl: measured over %d pairs of mini-batches, the %s take %.3fx the %s's time "
+                       "[95%%: %.3f, %.3f]: %s", len(self.pairs()), ran[first], mean, ran[second], low, high,
+                       f"now timing the {ran[winner]} against the hands-off baseline" if self.stage == "exact"
+                       else f"running the {ran[winner]} for the next {self.recheck_every} mini-batches")
+        if self.stage == "exact":
+            self._restart("hands_off", winner, exact_done=True)
             return
         self.chosen = self.arm = verdict
         self.since_choice = 0
 
-    def _restart(self, stage: str) -> None:
-        """A new trial stage: no samples, no arm warmed, the first sample's arm next."""
+    def _restart(self, stage: str, contender: str, exact_done: bool) -> None:
+        """A new stage: no samples, no arm warmed, the first sample's arm next."""
         self.chosen, self.samples, self.warmed = None, {a: [] for a in ARMS}, set()
-        self.stage, self.lossy, self.arm = stage, False, ORDER[0]
+        self.stage, self.contender, self.exact_done, self.arm = stage, contender, exact_done, ORDER[0]
 
     @property
     def label(self) -> str:
-        """What the current mini-batch runs (LABELS): the solver's plans, hands-off, or the exact plans."""
-        return "plan" if self.arm == "plan" else "baseline" if self.stage == "hands_off" else "exact"
+        """What the current mini-batch runs (LABELS)."""
+        if self.stage == "exact":
+            return "plan" if self.arm == "plan" else "exact"
+        return self.contender if self.arm == "plan" else "baseline"
 
     def pairs(self) -> list[float]:
         """Per pair of samples (one of each arm, taken back to back), the plans' time over the baseline's."""
@@ -143,13 +150,13 @@ class ArmTrial:
         measured elsewhere)."""
         if label not in LABELS:
             raise ValueError(f"arm: got {label!r}; valid: {', '.join(LABELS)}")
-        self.stage = "exact" if label == "exact" else "hands_off"
-        self.chosen = self.arm = "plan" if label == "plan" else "baseline"
+        self._restart("hands_off", "plan" if label == "plan" else "exact", exact_done=True)
+        self.chosen = self.arm = "baseline" if label == "baseline" else "plan"
         self.since_choice = 0
 
     def ratio(self) -> float | None:
-        """The plans' mean time over the baseline's, pair by pair, once a pair was timed (the trial's samples:
-        none are added while a choice holds)."""
+        """The plan arm's mean time over the baseline arm's, pair by pair, in the current stage (the last
+        stage's once a choice holds: none are added then), once a pair was timed."""
         pairs = self.pairs()
         return statistics.fmean(pairs) if pairs else None
 

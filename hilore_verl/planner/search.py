@@ -26,7 +26,7 @@ MAX_RESOLVES = 8  # solves of one micro-batch's plan, each within the last one's
 class PlanSearch:
     """The plan search of a `Controller` `c`: it reads the controller's `costs`, `risk`, `runtime`, `arms`,
     `measure_baseline`, `memory_factor` and memory model (`predicted_peak`, `limit`, `activation_budget`,
-    `plan_seconds`, `gc_plan`, `gc_always_fits`, `hands_off_plans`, `all_units`, `as_run`)."""
+    `gc_plan`, `gc_always_fits`, `hands_off_plans`, `all_units`, `as_run`)."""
 
     def __init__(self, controller):
         self.c = controller
@@ -40,55 +40,64 @@ class PlanSearch:
         return self._solve(exposure_l2, tokens, allowance, exclude, row)
 
     def choose(self, l2: float, tokens: int, allowance: float, row: int | None = None) -> tuple[dict[str, UnitPlan], bool]:
-        """(plan, whether the arm chose it): the solver's plan, or the cheapest exact plan the runtime runs
-        hands-off (every unit kept, or HF checkpointing as the model had it) that fits, when the solver's
-        plan gains less over it than the runtime's measured overhead per micro-batch
-        (`CostTable.runtime_overhead_s`), or when the measured trial runs the baseline (planner/arms.py);
-        in the trial's second stage, the solver's plan or its best exact plan (keep / recompute only).
-        An overhead of 0 (none measured, or within the probe's noise) leaves the choice to the trial."""
+        """(plan, whether the arm chose it): what the measured trial's arm runs (planner/arms.py: the
+        solver's plan, its best exact plan, or the cheapest exact plan the runtime runs hands-off, every
+        unit kept or HF checkpointing as the model had it, that fits). Without a trial, or outside it, the
+        solver's plan, or that hands-off plan where the solver's gains less over it than the runtime's
+        measured overhead per micro-batch (`CostTable.runtime_overhead_s`; 0, none measured or within the
+        probe's noise, leaves the choice to the trial)."""
         arms = self.c.arms
         trial = self.c.runtime is not None and self.c.measure_baseline
-        if trial and arms.stage == "exact":
-            return self._against_exact(l2, tokens, allowance, row)
-        if trial and arms.chosen == "baseline":
+        if trial and arms.chosen == "baseline" and arms.stage == "hands_off":
             # measured faster until the next recheck (planner/arms.py): no solve needed, where one fits
             chosen = self._fitting_baseline(tokens, row)
             if chosen is not None:
                 return chosen, True
+        if trial and arms.label == "exact" and arms.stage == "hands_off" and arms.chosen is not None:
+            exact = self._exact(l2, tokens, row)  # measured fastest: no compressing solve needed
+            if exact is not None:
+                return self._hands_off_or(exact, tokens, row)
         plan = self._solve(l2, tokens, allowance, row=row)
         if self.c.runtime is None:  # what-if planning: nothing runs
             return plan, False
+        lossy = not all(p.exact for p in plan.values())
+        arms.lossy |= lossy
+        if trial and (arms.stage == "exact" or arms.contender == "exact"):
+            exact = self._exact(l2, tokens, row) if lossy else plan
+            if exact is None:  # no exact plan fits this budget: nothing to compare
+                return plan, False
+            if arms.stage == "exact":  # the solver's plan against its exact plan
+                return (exact if arms.arm == "baseline" else plan), lossy
+            plan = exact  # the exact plans won the stage "exact": they face the hands-off baseline
+        return self._hands_off_or(plan, tokens, row)
+
+    def _exact(self, l2: float, tokens: int, row: int | None) -> dict[str, UnitPlan] | None:
+        """The solver's best exact plan (keep / recompute only), or None where none fits."""
+        try:
+            return self._solve(l2, tokens, 0.0, row=row, exact=True)
+        except Infeasible:
+            return None
+
+    def _hands_off_or(self, plan: dict[str, UnitPlan], tokens: int,
+                      row: int | None) -> tuple[dict[str, UnitPlan], bool]:
+        """`plan` or the fitting hands-off baseline: by the model (the runtime's overhead) or by the arm."""
         if plan in self.c.hands_off_plans():
             return plan, False
         baseline = self._fitting_baseline(tokens, row)
         if baseline is None:
             return plan, False
         overhead = self.c.costs.runtime_overhead_s  # 0: not measured (no hands-off plan on the probe), or noise
-        if overhead > 0 and self.c.plan_seconds(baseline, tokens) <= self.c.plan_seconds(plan, tokens) + overhead:
+        if overhead > 0 and self.c.costs.seconds(baseline, tokens) <= self.c.costs.seconds(plan, tokens) + overhead:
             return baseline, False  # the model already says: the baseline
         if not self.c.measure_baseline:
             return plan, False
-        arms.lossy |= arms.arm == "plan" and not all(p.exact for p in plan.values())
-        return (baseline if arms.arm == "baseline" else plan), True
-
-    def _against_exact(self, l2: float, tokens: int, allowance: float,
-                       row: int | None) -> tuple[dict[str, UnitPlan], bool]:
-        """The trial's second stage: the solver's plan, or its best exact plan where the arm (or the
-        measured choice) says so; no choice where the solver's plan is exact already."""
-        arms = self.c.arms
-        if arms.chosen != "baseline":
-            plan = self._solve(l2, tokens, allowance, row=row)
-            if all(p.exact for p in plan.values()):
-                return plan, False
-            if arms.arm == "plan":
-                return plan, True
-        return self._solve(l2, tokens, 0.0, row=row, exact=True), True
+        return (baseline if self.c.arms.arm == "baseline" else plan), True
 
     def _fitting_baseline(self, tokens: int, row: int | None) -> dict[str, UnitPlan] | None:
         """The fastest hands-off plan that fits (GC's always under a gc_ratio budget), or None."""
         limit, gc = self.c.limit(tokens if row is None else row), self.c.gc_always_fits()
         fits = [b for b in self.c.hands_off_plans() if b == gc or self.c.predicted_peak(b, tokens) <= limit]
-        return min(fits, key=lambda b: self.c.plan_seconds(b, tokens)) if fits else None
+        return min(fits, key=lambda b: self.c.costs.seconds(b, tokens)) if fits else None
 
     def _solve(self, l2: float, tokens: int, allowance: float, exclude: tuple[str, UnitPlan] | None = None,
                row: int | None = None, exact: bool = False) -> dict[str, UnitPlan]:
@@ -146,7 +155,7 @@ class PlanSearch:
         refined = [refine(self.c.costs, options, p, tokens, limit - self.c.predicted_peak(p, tokens), allowance ** 2)
                    for p in fitting if self.c.predicted_peak(p, tokens) <= limit]
         fitting = [p for p in refined if self.c.predicted_peak(p, tokens) <= limit] + fitting
-        return min(fitting, key=lambda p: self.c.plan_seconds(p, tokens))  # the first of equals
+        return min(fitting, key=lambda p: self.c.costs.seconds(p, tokens))  # the first of equals
 
     @staticmethod
     def _allowed(plan: dict[str, UnitPlan], exclude: tuple[str, UnitPlan] | None) -> bool:
