@@ -1,4 +1,5 @@
-"""What the first mini-batch measures before it trains: the cost table and the risk model.
+"""What the first mini-batch measures before it trains: the cost table and the risk model; and the
+gradient audit's extra passes on later ones (`audit`).
 
 `measure` profiles the cost table on a probe of this rank's micro-batches (whole sequences, at most
 `hilore.profile_tokens` tokens; a half probe beside it prices growth with the tokens) and calibrates
@@ -77,6 +78,29 @@ def surrogate(runtime: Runtime, passes, plan: dict[str, UnitPlan], batch, c: tor
     full = {u.name: RECOMPUTE for u in runtime.units}
     full.update(plan)
     return passes.surrogate_gradient(full, batch, c)
+
+
+def audit(runtime: Runtime, passes, collectives, controller, step: int, micro_batches: list):
+    """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes), fed
+    to the controller's audit (`Controller.record_audit`); its AuditResult, or None.
+
+    The surrogate sum_t c_t log p_t measures the c part of the update, so the micro-batch is chosen
+    by the L2 of c (reduced over ranks: every rank audits the same index) and its prediction uses
+    that exposure, without the entropy bound planning adds. No micro-batch with exposure, or a
+    zero exact gradient: None, and nothing is recorded or changed."""
+    coefficients = [passes.coefficients(mb) for mb in micro_batches]
+    squares = collectives.reduce(read_floats([c.double().pow(2).sum() for c in coefficients]), "sum")
+    exposure_l2 = [math.sqrt(s) for s in squares]
+    index = controller.audit_micro_batch(step, exposure_l2)
+    if index is None:
+        return None
+    batch, c = micro_batches[index], coefficients[index]
+    plan = controller.plan_micro_batch(index)
+    approx = surrogate(runtime, passes, controller.runtime_plan(plan), batch, c)
+    exact = surrogate(runtime, passes, {}, batch, c)
+    passes.zero_grad()
+    return controller.record_audit(step, exact, approx, exposure_l2[index],
+                                   reduce=None if collectives.world_size == 1 else collectives.sum_)
 
 
 def _profile(config: HiLoReConfig, runtime: Runtime, passes, collectives, batch) -> CostTable:

@@ -1,13 +1,8 @@
 """One HiLoRe training session: what happens around each mini-batch of the actor update.
 
-Free of verl and of torch.distributed. The framework side (integration/actor/engine.py for verl)
-supplies two small objects:
-
-  Passes       forward + backward passes on its model, the loss coefficients of a micro-batch,
-               and how to forget a failed pass;
-  Collectives  the data-parallel reductions (integration/actor/collectives.py; `SingleProcess`: one rank).
-
-Both are protocols of host.py, where what each method must do is written.
+Free of verl and of torch.distributed: the framework side (integration/actor/engine.py for verl)
+supplies the protocols of host.py, `Passes` (forward + backward passes on its model, a micro-batch's
+loss coefficients, how to forget a failed pass) and `Collectives` (the data-parallel reductions).
 
 Order of one mini-batch (`Session.train`):
 
@@ -30,6 +25,7 @@ exactly: see `_train_with_retries` and `optimizer_step`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable
@@ -68,7 +64,6 @@ class Session:
         self._restored: dict | None = None
         self._micro_index = 0
         self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
-        self._clock: DeviceClock | None = None
         self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark), read at the next
         self._measured_now = False  # build_controller probed (rather than restored) at this call
         self._stepped = None  # this mini-batch's optimizer step, done: its snapshot (False: none was taken)
@@ -167,8 +162,9 @@ class Session:
         self._meter().start()
         if self.controller.audit_due(self.step) and self.passes.has_coefficients:
             # its metrics are in controller.metrics() for this mini-batch only
-            self._optional("the gradient audit", lambda: self._audit(micro_batches))
-        clock = self._device_clock()
+            self._optional("the gradient audit", lambda: calibration.audit(
+                self.runtime, self.passes, self.collectives, self.controller, self.step, micro_batches))
+        clock = self._device_clock
         start = clock.mark()
         out = self._train_with_retries(step)
         # timed for the measured choice of arm (planner/arms.py): not the first (profiling), nor a retried one
@@ -221,7 +217,7 @@ class Session:
                              "verl splits them with same_micro_num_in_dp=True")
         exposures = read_floats([self.passes.exposure_l2(mb) for mb in micro_batches])  # one read
         last, self._timed = self._timed, None  # the last mini-batch's (start, end), if timed
-        seconds = -1.0 if last is None else self._device_clock().seconds(last[0], last[1])
+        seconds = -1.0 if last is None else self._device_clock.seconds(last[0], last[1])
         layers = [self.passes.layer_tokens(mb) for mb in micro_batches]
         heads = [self.passes.head_rows(mb) for mb in micro_batches]  # None: every token (-1 over the wire)
         rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
@@ -251,31 +247,9 @@ class Session:
         peaks = [row[0] for row in self.collectives.gather([-1.0 if local is None else local])]
         return None if min(peaks) < 0 else max(peaks)
 
-    def _device_clock(self) -> DeviceClock:
-        if self._clock is None:
-            self._clock = DeviceClock(next(self.runtime.model.parameters()).device)
-        return self._clock
-
-    def _audit(self, micro_batches):
-        """Exact vs planned gradient of one micro-batch with exposure (2 extra forward + backward passes).
-
-        The surrogate sum_t c_t log p_t measures the c part of the update, so the micro-batch is chosen
-        by the L2 of c (reduced over ranks: every rank audits the same index) and its prediction uses
-        that exposure, without the entropy bound planning adds. No micro-batch with exposure, or a
-        zero exact gradient: None, and nothing is recorded or changed."""
-        coefficients = [self.passes.coefficients(mb) for mb in micro_batches]
-        squares = self.collectives.reduce(read_floats([c.double().pow(2).sum() for c in coefficients]), "sum")
-        exposure_l2 = [math.sqrt(s) for s in squares]
-        index = self.controller.audit_micro_batch(self.step, exposure_l2)
-        if index is None:
-            return None
-        batch, c = micro_batches[index], coefficients[index]
-        plan = self.controller.plan_micro_batch(index)
-        approx = calibration.surrogate(self.runtime, self.passes, self.controller.runtime_plan(plan), batch, c)
-        exact = calibration.surrogate(self.runtime, self.passes, {}, batch, c)
-        self.passes.zero_grad()
-        return self.controller.record_audit(self.step, exact, approx, exposure_l2[index],
-                                            reduce=None if self.collectives.world_size == 1 else self.collectives.sum_)
+    @functools.cached_property
+    def _device_clock(self) -> DeviceClock:  # made at the first mini-batch, when the model is on its device
+        return DeviceClock(next(self.runtime.model.parameters()).device)
 
     def _train_with_retries(self, step):
         """The framework's step. Out of device memory on every rank: put the step back (the framework's

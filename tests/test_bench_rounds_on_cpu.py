@@ -109,8 +109,9 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
     1.5 budget only, so that budget's rounds hit their cap while the others stop at the target."""
     from hilore_verl.bench import BenchConfig, run_bench
     from hilore_verl.bench import run as R
+    from hilore_verl.bench import timer as T
 
-    clock, rng, real_step = Clock(), random.Random(1), R._Timer.step
+    clock, rng, real_step = Clock(), random.Random(1), T.Timer.step
 
     def step(self, key):
         if key not in self.seen:  # one real step per key: its controller plans once
@@ -124,8 +125,8 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
         clock.now += seconds
         return seconds
 
-    monkeypatch.setattr(R._Timer, "seen", set(), raising=False)
-    monkeypatch.setattr(R._Timer, "step", step)
+    monkeypatch.setattr(T.Timer, "seen", set(), raising=False)
+    monkeypatch.setattr(T.Timer, "step", step)
     monkeypatch.setattr(R, "run_rounds", functools.partial(run_rounds, clock=clock))
     tiny = BenchConfig(hidden_size=128, num_layers=2, vocab_size=512, num_groups=4, group_size=4,
                        max_response_len=32, zero_advantage_share=0.0, min_rounds=3, target_ci=0.02, time_cap_s=100.0,

@@ -43,8 +43,8 @@ def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg)
     for coeff in (0.0, 0.02):
         engine = _bare_engine(actor_config=actor_config(entropy_coeff=coeff, loss_agg_mode=agg),
                               model_config=model_config, module=None)
-        assert float(engine._coefficients(micro_batch).abs().sum()) == 0  # c leaves the entropy term out
-        figures[coeff] = float(engine._exposure_l2(micro_batch))  # a 0-d tensor, read here
+        assert float(engine.loss_terms.coefficients(micro_batch).abs().sum()) == 0  # c leaves the entropy term out
+        figures[coeff] = float(engine.loss_terms.exposure_l2(micro_batch))  # a 0-d tensor, read here
     assert figures[0.0] == 0.0 and figures[0.02] > 0, figures
     # the bound as stated: |entropy_coeff| * w_t * 2 ln V per response token, w_t from verl's agg_loss
     from hilore_verl.integration.actor.loss import aggregation_weights

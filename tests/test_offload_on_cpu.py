@@ -11,7 +11,8 @@ import hilore_verl.runtime.saving as saving
 from hilore_verl import Plan, UnitPlan, attach
 from hilore_verl.runtime import Mode
 from hilore_verl.runtime.offload import OffloadPool
-from hilore_verl.runtime.records import Checked, Unchecked
+from hilore_verl.runtime.finite_checks import Unchecked
+from hilore_verl.runtime.records import Checked
 from hilore_verl.tiny_models import build_tiny_model
 from hilore_verl.workload import make_grpo_batch
 from tests.harness.models import WORKLOAD

@@ -301,22 +301,22 @@ def test_a_memory_model_that_under_predicts_by_25_percent_is_corrected_by_the_me
     meter.session = session
     train(_micro_batches(0))  # the first mini-batch profiles: not fed back
     ctl = session.controller
-    assert ctl.peak_factor == 1.0 and ctl.measured is None
+    assert ctl.peaks.factor == 1.0 and ctl.peaks.measured is None
     train(_micro_batches(1))
-    measured, predicted = ctl.measured
+    measured, predicted = ctl.peaks.measured
     budget = ctl.memory_budget_at(max(row for _, _, row in ctl._micro))
     assert measured == pytest.approx(1.25 * predicted) and measured > budget  # the setup: over the budget
-    assert ctl.peak_factor == pytest.approx(1 / 1.25)
+    assert ctl.peaks.factor == pytest.approx(1 / 1.25)
     for seed in (2, 3):
         metrics = train(_micro_batches(seed))
-        measured, _ = ctl.measured
+        measured, _ = ctl.peaks.measured
         assert measured <= ctl.memory_budget_at(max(row for _, _, row in ctl._micro)) * (1 + 1e-9)
         assert metrics["hilore/memory/peak_factor"] == pytest.approx(1 / 1.25)  # held while the error holds
     meter.ratio = 1.0  # the model predicts the peak: the factor moves halfway back each mini-batch
     factors = []
     for seed in range(4, 16):
         train(_micro_batches(seed))
-        factors.append(ctl.peak_factor)
+        factors.append(ctl.peaks.factor)
     assert factors[0] == pytest.approx(1 - 0.5 * (1 - 1 / 1.25)) and all(b >= a for a, b in zip(factors, factors[1:]))
     assert factors[-1] == 1.0
 
@@ -331,7 +331,7 @@ def test_a_retried_mini_batch_feeds_no_measured_peak_back():
         train(_micro_batches(1))
     finally:
         handle.remove()
-    assert session.controller.peak_factor == 1.0 and session.controller.measured is None
+    assert session.controller.peaks.factor == 1.0 and session.controller.peaks.measured is None
     assert session.controller.memory_factor == pytest.approx(0.9)
 
 
@@ -355,9 +355,9 @@ def test_an_overshoot_within_the_meters_noise_is_not_acted_on():
     meter.session, meter.noise_bytes = session, 1e12  # far more than the model's 20% on this model
     for seed in range(3):
         train(_micro_batches(seed))
-    measured, _ = session.controller.measured
+    measured, _ = session.controller.peaks.measured
     assert measured > session.controller.memory_budget_at(max(row for _, _, row in session.controller._micro))
-    assert session.controller.peak_factor == 1.0
+    assert session.controller.peaks.factor == 1.0
 
 
 def _without_loss_term(micro_batches: list[dict]) -> list[dict]:

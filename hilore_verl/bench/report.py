@@ -147,6 +147,13 @@ def table(report: dict) -> str:
         lines.append("")
     lines += _summary_lines(s)
     lines += _machine_lines(report, r)
+    lines += _rounds_lines(report) + _predicted_lines(report) + _sweep_lines(report)
+    return "\n".join(lines)
+
+
+def _rounds_lines(report: dict) -> list[str]:
+    """The paired rounds' sets: rounds, widest interval, spread, how each stopped."""
+    lines: list[str] = []
     lines += ["", "paired rounds (every method once per round, the order rotated; stop: "
               + _rule(report["stop"]) + ")", "",
               "| set | rounds | widest 95% half-width | its per-round spread | target reached | stopped by | seconds (cap) "
@@ -160,6 +167,12 @@ def table(report: dict) -> str:
                   else "-" if st["reached"] or st["cap_s"] is None else "more than is reasonable")
         lines.append(f"| {st['label']} | {st['rounds']} | {width} ({st['widest']}) | {spread} | "
                      f"{'yes' if st['reached'] else 'no'} | {st['stopped_by']} | {st['elapsed_s']:.0f}{cap} | {needed} |")
+    return lines
+
+
+def _predicted_lines(report: dict) -> list[str]:
+    """The planned rows: the cost model's predicted step and peak against the measured."""
+    lines: list[str] = []
     predicted = _predicted_rows(report)
     if predicted:
         lines += ["", "planned rows: the cost model's prediction for the plan run against the measurement (step: mean "
@@ -176,6 +189,12 @@ def table(report: dict) -> str:
                          f"{_share(v['predicted_step_s'], v['measured_step_s'])} | "
                          f"{_share(v.get('modelled_step_s'), v['measured_step_s'])} | {_mib(v['predicted_peak_bytes'])} | "
                          f"{_mib(measured)} | {_share(v['predicted_peak_bytes'], measured)} |")
+    return lines
+
+
+def _sweep_lines(report: dict) -> list[str]:
+    """The budget sweep's rows, runner-ups included."""
+    lines: list[str] = []
     if report["sweep"]:
         lines += ["", "budget sweep (each budget its own paired rounds with GC; predicted peak from the runtime's cost "
                   "table; time measured)", "",
@@ -190,7 +209,7 @@ def table(report: dict) -> str:
             label = row["method"] + (f" runner-up {row['candidate']}" if "candidate" in row else "")
             lines.append(f"| {label} | {row['budget']} | {_mib(row['budget_bytes'])} | {tput} | "
                          f"{ratio(row.get('x_gc'))} | {row['rounds']} | {row['plan_counts']} | {rival} |")
-    return "\n".join(lines)
+    return lines
 
 
 def _rule(stop: dict) -> str:

@@ -32,12 +32,13 @@ from hilore_verl.bench.session_passes import plan_counts
 from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, save_json,  # noqa: F401 - re-exported
                                       save_markdown, summarize, table)
 from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
+from hilore_verl.bench.timer import Timer, spelled
 from hilore_verl.intervals import mean_ci, paired_ratio_ci
 from hilore_verl.bench.actor_update import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
                                         padding_share, static_bytes, tokens_of)
 from hilore_verl.bench.machine import MachineLoad
 from hilore_verl.planner import BudgetConfig, Controller
-from hilore_verl.runtime import KEEP, UnitPlan
+from hilore_verl.runtime import KEEP
 
 SWEEP = (1.0, 1.1, 1.25, 1.5)  # x the full-GC peak; plus the no-GC peak
 MAX_STATIC_SHARE = 0.60  # of GC's peak, as on a GPU running GC
@@ -158,13 +159,13 @@ def _gradients_and_warm_up(built: dict[str, M.Method], batch, results: dict, pro
         progress.tick(f"gradient + warm-up {name}")
 
 
-def _timer_with_runner_ups(config: BenchConfig, methods, built: dict[str, M.Method], batch, sweep: bool) -> _Timer:
+def _timer_with_runner_ups(config: BenchConfig, methods, built: dict[str, M.Method], batch, sweep: bool) -> Timer:
     """The timer of every key: the methods, each planner at each budget of the sweep, and HiLoRe's runner-up
     plans beside its choice at each budget (after one step of its first plan, which they are ranked against)."""
     planners = [m for m in methods if m in M.SWEPT]
     points = [(m, r) for m in planners for r in (*SWEEP, "no_gc")] if sweep else []
     variants = _sweep_controllers(built, points, batch)
-    timer = _Timer(built, variants, batch)
+    timer = Timer(built, variants, batch)
     if config.candidates and "hilore" in built:  # HiLoRe's runner-up plans beside its choice, per budget
         for ratio in [r for r in SWEEP if ("hilore", r) in variants]:
             timer.step(("hilore", ratio))  # its first plan: what the runner-ups are ranked against
@@ -174,7 +175,7 @@ def _timer_with_runner_ups(config: BenchConfig, methods, built: dict[str, M.Meth
     return timer
 
 
-def _paired_rounds(built: dict[str, M.Method], timer: _Timer, rule: StopRule, progress: Progress) -> list:
+def _paired_rounds(built: dict[str, M.Method], timer: Timer, rule: StopRule, progress: Progress) -> list:
     """The methods' paired rounds, then each budget's own (GC's steps their baseline), each set stopped by
     `rule` within its share of the time cap. The first set is the methods'."""
     ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in timer.variants)]
@@ -187,7 +188,7 @@ def _paired_rounds(built: dict[str, M.Method], timer: _Timer, rule: StopRule, pr
     return sets
 
 
-def _method_rows(built: dict[str, M.Method], timer: _Timer, main, tokens: int, results: dict) -> None:
+def _method_rows(built: dict[str, M.Method], timer: Timer, main, tokens: int, results: dict) -> None:
     """Each built method's row from the methods' rounds; the planners' plan, predictions and budget besides."""
     widths = half_widths(main.times)
     for name in built:
@@ -197,13 +198,13 @@ def _method_rows(built: dict[str, M.Method], timer: _Timer, main, tokens: int, r
             results[name]["skipped_token_share"] = method.skipped_token_share
         if method.controller is not None:
             c, trained = method.controller, timer.trained[name]  # budgets at what it forwards
-            results[name].update(plan=_spelled(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
+            results[name].update(plan=spelled(c.history[-1].plan), predicted_peak_bytes=c.history[-1].predicted_peak,
                                  budget_bytes=c.memory_budget_at(trained),
                                  gc_peak_predicted_bytes=c.predicted_peak(c.gc_plan(), trained),
                                  **timer.timed(name, main.times[name]), **timer.trial(name))
 
 
-def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
+def _sweep_rows(timer: Timer, budget_sets: list, tokens: int) -> list[dict]:
     """One row per planner key of each budget's rounds: a runner-up with its plan, a planner's choice with its
     throughput over its fastest runner-up's."""
     rows = []
@@ -217,7 +218,7 @@ def _sweep_rows(timer: _Timer, budget_sets: list, tokens: int) -> list[dict]:
                    "ci_reached": st.reached, "plan_counts": plan_counts(last.plan),
                    **timer.timed(key, st.times[key]), **timer.trial(key)}
             if len(key) > 2:  # a runner-up of HiLoRe's plan at this budget
-                row.update(candidate=key[2], plan=_spelled(last.plan))
+                row.update(candidate=key[2], plan=spelled(last.plan))
             else:
                 row.update(_against_runner_ups(st.times, key))
             rows.append(row)
@@ -232,6 +233,8 @@ def _peaks(config: BenchConfig, methods, built: dict[str, M.Method], results: di
         for name in methods:
             if results[name]["status"] == "ok":
                 results[name].update(early.get(name) or _peak(name, config, built[name], tmp))
+                if results[name].get("peak_plan", results[name].get("plan")) != results[name].get("plan"):
+                    progress.line(f"WARNING: {name}'s peak process ran another plan than its timed rounds")
             progress.tick(f"peak memory {name}")
         if results.get("hilore", {}).get("status") == "ok":  # profiling + calibration + one step, fresh
             results["hilore"]["first_step"] = _peak("hilore", config, None, tmp, first_step=True)
@@ -275,84 +278,6 @@ def stop_rule(config: BenchConfig) -> StopRule:
                     sweep_time_cap_s=config.sweep_time_cap_s)
 
 
-class _Timer:
-    """One timed step of a key: a method, or (planner, budget, ...) run by its own session on the planner's
-    model with that key's controller, so each key's timing feeds its own controller's measured trial
-    (planner/arms.py) and its own measured-peak feedback. Each planned step records the session's own host
-    seconds and the cost model's step time for the plan it ran."""
-
-    def __init__(self, built: dict[str, M.Method], variants: dict[tuple, Controller], batch):
-        self.built, self.variants, self.batch = built, variants, batch  # `add` adds to `variants`
-        self.sessions = {key: built[key[0]].session_with(c) for key, c in variants.items()}
-        self.trained = {n: m.trained_tokens(batch) for n, m in built.items() if m.controller is not None}
-        self.computed = {n: m.layer_tokens(batch) for n, m in built.items() if m.controller is not None}
-        self.session_s: dict = {k: [] for k in [*built, *variants]}
-        self.predicted: dict = {k: [] for k in [*built, *variants]}
-        self.modelled: dict = {k: [] for k in [*built, *variants]}  # the same without the measured scale
-        self.plans: dict = {k: [] for k in [*built, *variants]}  # each step's last plan, spelled
-        self.informative: dict = {k: [] for k in [*built, *variants]}  # each step: had a plan but the baseline
-
-    def controller(self, key) -> Controller | None:
-        return self.variants[key] if isinstance(key, tuple) else self.built[key].controller
-
-    def settled(self, key) -> bool:
-        """Whether later identical steps of `key` run its last step's plans: no planner, its measured trial
-        decided (planner/arms.py), or none runs (its last two steps had no plan other than the baseline: the
-        first plans can differ from later ones, e.g. before the risk model is calibrated)."""
-        c = self.controller(key)
-        return c is None or c.arms.chosen is not None or (len(self.informative[key]) >= 2
-                                                          and not any(self.informative[key][-2:]))
-
-    def timed(self, key, times: list[float]) -> dict:
-        """A planned key's figures over its timed rounds (the last len(times) steps it ran): the cost model's
-        mean step time (with the measured scale, and the probes' model alone), the session's share of the
-        step, how many different plans ran."""
-        n = len(times)
-        return {"predicted_step_s": statistics.fmean(self.predicted[key][-n:]),
-                "modelled_step_s": statistics.fmean(self.modelled[key][-n:]),
-                "controller_share": sum(self.session_s[key][-n:]) / sum(times),
-                "distinct_plans": len(set(self.plans[key][-n:]))}
-
-    def trial(self, key) -> dict:
-        """The measured trial's outcome for a row: what it chose (arms.LABELS; "undecided": still timing both when the
-        settle steps ran out, so the timed rounds mixed them; "no trial": no plan other than the baseline)."""
-        c = self.controller(key)
-        if c is None:
-            return {}
-        arm = c.arms.label if c.arms.chosen else "undecided" if c.arms.informative else "no trial"
-        return {"arm": arm,
-                "plan_over_baseline": c.arms.ratio()}
-
-    def add(self, key: tuple, controller: Controller) -> None:
-        """Another (planner, budget, ...) key, stepped with `controller`."""
-        self.variants[key] = controller
-        self.sessions[key] = self.built[key[0]].session_with(controller)
-        self.session_s[key], self.predicted[key], self.modelled[key], self.plans[key] = [], [], [], []
-        self.informative[key] = []
-
-    def step(self, key) -> float:
-        name = key[0] if isinstance(key, tuple) else key
-        method = self.built[name]
-        if not isinstance(key, tuple):
-            return self._record(key, method, method.step(self.batch))
-        own, method.session = method.session, self.sessions[key]
-        try:
-            return self._record(key, method, method.step(self.batch))
-        finally:
-            method.session = own
-
-    def _record(self, key, method: M.Method, seconds: float) -> float:
-        c = method.controller
-        if c is not None:
-            self.session_s[key].append(method.session_s[-1])
-            plan, tokens = c.history[-1].plan, self.computed[method.name]
-            self.predicted[key].append(c.predicted_step_seconds(plan, tokens))
-            self.modelled[key].append(c.predicted_step_seconds(plan, tokens, measured=False))
-            self.plans[key].append(tuple(sorted(_spelled(c.history[-1].plan).items())))
-            self.informative[key].append(c.arms.informative)
-        return seconds
-
-
 def _timed_row(times: dict, key, tokens: int, widths: dict) -> dict:
     """A row's timing figures from its set's rounds: median and mean step, throughput (mean of the rounds')
     with its 95% interval, its throughput over GC's and no GC's (paired, [mean, low, high])."""
@@ -389,11 +314,6 @@ def _refuse_if_resident_copies_do_not_fit(config: BenchConfig, methods) -> None:
         raise WorkloadRefused(f"{len(methods)} methods x {params / 1e9:.2f} B parameters stay resident for the "
                               f"interleaved rounds ({need / 2**30:.0f} GiB of {free / 2**30:.0f} GiB free): name fewer "
                               "--methods, or run `hilore-verl gpu-check`, which runs each method in its own process")
-
-
-def _spelled(plan: dict[str, UnitPlan]) -> dict[str, str]:
-    """A plan as the report writes it: each unit's plan spelled (`str(UnitPlan)`)."""
-    return {unit: str(p) for unit, p in plan.items()}
 
 
 def _controller_at(method: M.Method, batch, ratio: float | str) -> Controller:
@@ -434,6 +354,6 @@ def _peak(name: str, config: BenchConfig, method: M.Method | None, tmp: str, fir
                 "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024}
     return {"codec_code_bytes": m["codec_code_kib"] * 1024, "peak_bytes": (m["peak_kib"] - m["base_kib"]) * 1024,
             "rest_bytes": (m["rest_kib"] - m["base_kib"]) * 1024, "runtime_held_bytes": m["runtime_held_bytes"],
-            **({"peak_arm": m["arm"]} if m.get("arm") else {}),
+            **({"peak_arm": m["arm"]} if m.get("arm") else {}), **({"peak_plan": m["plan"]} if m.get("plan") else {}),
             **({"tensor_peak_bytes": m["tensor_peak_kib"] * 1024} if m.get("tensor_peak_kib") is not None else {})}
 

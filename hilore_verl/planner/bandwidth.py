@@ -52,6 +52,15 @@ def codec_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
     return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
 
 
+def bandwidths(clock: DeviceClock, device: torch.device, largest: float, element_size: int) -> tuple[float, float]:
+    """(codec, host-copy) bandwidths on a sample of `sample_bytes` (the probe's `largest` unit's saved bytes,
+    within bounds) of the activations' dtype (element_size 4: fp32, else bf16) on `device`."""
+    dtype = torch.float32 if element_size == 4 else torch.bfloat16
+    nbytes = sample_bytes(device, largest, dtype.itemsize)
+    sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
+    return codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
+
+
 def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
 

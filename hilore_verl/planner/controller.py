@@ -30,10 +30,8 @@ mini-batch's risk_budget x grad_scale x exposure_l2(mini-batch) split evenly ove
 compresses; a high-exposure one must keep or recompute more.
 
 The risk spent (`after_forward`, from the exact coefficients of the real log-probs) is a metric
-only: no plan depends on it. So a micro-batch's exact exposure may come as a device tensor, or as a
-function that computes one, and is read later: all of a mini-batch's at once, in one transfer,
-when `metrics()` (or the next `begin_mini_batch`, or an audit) needs them. Nothing between a
-micro-batch's forward and its backward waits for the device.
+only, read lazily (planner/spent.py): nothing between a micro-batch's forward and its backward waits
+for the device.
 """
 
 from __future__ import annotations
@@ -42,24 +40,23 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 
-from hilore_verl.exposure import read_floats
 from hilore_verl.planner.arms import ArmTrial
 from hilore_verl.planner.step_time import StepTimeScale
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.costs import CostTable, Tokens
+from hilore_verl.planner.peak_feedback import PeakFeedback
 from hilore_verl.planner.search import PlanSearch
 from hilore_verl.planner.solver import Infeasible
+from hilore_verl.planner.spent import Exact, SpentRisk
 from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 
 
-MIN_PEAK_FACTOR = 0.5  # the measured-peak feedback plans under at least half the budget
 HISTORY_KEPT = 4096  # plan records kept for metrics and tests; older ones are dropped
-Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
 
 
 @dataclass
@@ -84,7 +81,6 @@ class Controller:
     token_bucket: int = 256
     free_bytes: float | None = None
     oom_factor: float = 1.0  # x0.9 after each out-of-memory retry, never loosened (checkpointed)
-    peak_factor: float = 1.0  # from the measured peaks (`end_mini_batch`): tightened and loosened back
     audit: GradientAudit | None = None  # run by the integration on its schedule; adjusts risk_budget
     stochastic: bool = False  # compressed units round stochastically (seeded by the runtime's RuntimeConfig.seed)
     measure_baseline: bool = True  # time the solver's plans against the hands-off baseline, run the faster
@@ -103,8 +99,8 @@ class Controller:
         self._cache: dict[tuple, tuple[dict[str, UnitPlan], bool]] = {}  # key -> (plan, whether the arm chose it)
         self._micro: list[tuple[float, Tokens, Tokens]] = []  # per micro-batch: (exposure, T, N) (module docstring)
         self._predicted_peaks: list[float] = []  # this mini-batch's plans' predicted peaks, for end_mini_batch
-        self.measured: tuple[float, float] | None = None  # the last mini-batch's (measured, predicted) peak
-        self._unread: list[tuple[PlanRecord, Exact]] = []  # exact exposures whose risk spent is not recorded yet
+        self.peaks = PeakFeedback()  # the measured-peak feedback (planner/peak_feedback.py)
+        self.spent = SpentRisk(lambda plan, l2: self.risk.predict(self.runtime_plan(plan), l2))  # planner/spent.py
         self._allowance2 = 0.0
         self._audit_result: AuditResult | None = None  # the audit of the current mini-batch, if one ran
         self.arms = ArmTrial()  # the solver's plans against the hands-off baseline, measured (planner/arms.py)
@@ -115,7 +111,7 @@ class Controller:
     @property
     def memory_factor(self) -> float:
         """What the memory budget is multiplied by: out-of-memory retries and measured peaks, together."""
-        return self.oom_factor * self.peak_factor
+        return self.oom_factor * self.peaks.factor
 
     # ------------------------------------------------------------------ memory model
     def predicted_peak(self, plan: dict[str, UnitPlan], tokens: int, gradients: bool = True) -> float:
@@ -245,12 +241,6 @@ class Controller:
             del self.history[:-HISTORY_KEPT // 4]
         return plan
 
-    def plan_for(self, tokens: int, exposure_l2: float = 0.0, allowance: float = 0.0,
-                 exclude: tuple[str, UnitPlan] | None = None, row: int | None = None) -> dict[str, UnitPlan]:
-        """The plan for one micro-batch, not handed to a runtime (what-if planning, the runner-ups):
-        `PlanSearch.plan_for`."""
-        return self.search.plan_for(tokens, exposure_l2, allowance, exclude, row)
-
     def _keeps_all(self, tokens: int, row: int) -> bool:
         """Every unit kept, where it fits this micro-batch: the fastest plan, whatever the bucket's rounding."""
         return self.predicted_peak(self.all_units(KEEP), tokens) <= self.limit(row)
@@ -275,10 +265,6 @@ class Controller:
             held -= self.costs.region_saving_bytes * k * self.runtime.whole_blocks(self.runtime_plan(plan))
         return held + self.costs.unmanaged(tokens)
 
-    def plan_seconds(self, plan: dict[str, UnitPlan], tokens: int) -> float:
-        """The cost model's time of `plan` over keeping every unit (recompute, codecs, copies) at `tokens`."""
-        return self.costs.seconds(plan, tokens)
-
     # ------------------------------------------------------------------ read-only: a plan's predicted step time
     def predicted_step_seconds(self, plan: dict[str, UnitPlan], tokens: int, measured: bool = True) -> float:
         """One forward + backward under `plan` at `tokens`, as the cost model prices it (`CostTable.pass_seconds`:
@@ -297,58 +283,30 @@ class Controller:
         return [self.all_units(KEEP)] + ([checkpoint] if checkpoint is not None else [])
 
     def after_forward(self, index: int, exposure_l2_exact: Exact) -> None:
-        """The exact exposure of the micro-batch just planned (after its forward, before its backward),
-        for the risk it actually spent. A float is recorded now; a tensor, or a function that computes
-        one, is kept unread until `record_spent` (which metrics() calls): nothing here waits for the device."""
-        if not self.history or self.risk is None:
-            return
-        record = self.history[-1]
-        if all(p.exact for p in record.plan.values()):
-            record.spent_risk = 0.0  # an exact plan spends nothing, whatever the exposure: nothing to compute
-        elif isinstance(exposure_l2_exact, (int, float)):
-            self._record_spent(record, float(exposure_l2_exact))
-        else:
-            self._unread.append((record, exposure_l2_exact))
+        """The exact exposure of the micro-batch just planned (after its forward, before its backward), for
+        the risk it actually spent: recorded now, or kept unread until `record_spent` (planner/spent.py)."""
+        if self.history and self.risk is not None:
+            self.spent.note(self.history[-1], exposure_l2_exact)
 
     def record_spent(self) -> None:
-        """Read the exact exposures `after_forward` kept (every tensor in one transfer) and record the
-        risk each micro-batch spent; called once per mini-batch, after its last backward."""
-        unread, self._unread = self._unread, []
-        if not unread:
-            return
-        values = read_floats([value() if callable(value) else value for _, value in unread])
-        for (record, _), l2 in zip(unread, values):
-            self._record_spent(record, l2)
+        """Read the exact exposures `after_forward` kept (one transfer) and record the risk each micro-batch
+        spent; called once per mini-batch, after its last backward."""
+        self.spent.read()
 
     def discard_unread(self) -> None:
         """Forget the exact exposures of a mini-batch that failed (its risk spent stays unrecorded)."""
-        self._unread = []
-
-    def _record_spent(self, record: PlanRecord, exposure_l2_exact: float) -> None:
-        record.spent_risk = self.risk.predict(self.runtime_plan(record.plan), exposure_l2_exact)
+        self.spent.discard()
 
     def end_mini_batch(self, measured_peak_bytes: float | None = None, noise_bytes: float = 0.0) -> None:
-        """The mini-batch's measured peak (the maximum over ranks, so every rank adjusts alike; None: not
-        measured), against the largest peak its plans predicted, r = measured / predicted. Over the budget
-        with r > 1 (the model under-predicts): later plans are planned under budget / r, so that the same
-        error lands on the budget. r <= 1: the factor moves halfway back towards 1 each mini-batch. Within
-        the budget with r > 1: unchanged (the model errs, but the plans fit). `noise_bytes`: how far the
-        measurement moves for reasons of its own (peak_memory.py); an overshoot within it is not acted on."""
+        """The mini-batch's measured peak (the maximum over ranks; None: not measured) against the largest
+        peak its plans predicted and the largest micro-batch's budget: the measured-peak feedback
+        (planner/peak_feedback.py) plans later mini-batches tighter or looser. `noise_bytes`: how far the
+        measurement moves for reasons of its own (peak_memory.py)."""
         if measured_peak_bytes is None or not self._predicted_peaks:
             return
-        predicted = max(self._predicted_peaks)
-        self.measured = (float(measured_peak_bytes), predicted)
-        ratio = measured_peak_bytes / predicted
-        budget = max(self.memory_budget_at(row) for _, _, row in self._micro)  # the largest micro-batch's
-        if ratio > 1 and measured_peak_bytes > budget + noise_bytes:
-            self.peak_factor = max(min(self.peak_factor, 1 / ratio), MIN_PEAK_FACTOR)
-        elif ratio <= 1 and self.peak_factor < 1:
-            self.peak_factor = min(1.0, self.peak_factor + 0.5 * (1 - self.peak_factor))
-            if self.peak_factor > 1 - 1e-3:
-                self.peak_factor = 1.0
-        else:
-            return
-        self._cache.clear()
+        budget = max(self.memory_budget_at(row) for _, _, row in self._micro)
+        if self.peaks.update(measured_peak_bytes, max(self._predicted_peaks), budget, noise_bytes):
+            self._cache.clear()
 
     def audit_due(self, step: int) -> bool:
         """Whether the integration should compute an exact gradient next to this step's approximate one
@@ -430,10 +388,7 @@ class Controller:
                     "hilore/plan/solver_ms": last.solve_ms, "hilore/plan/step_time_scale": self.step_time.value})
         if self.risk is not None:
             out["hilore/risk_calibrated"] = float(self.risk.calibrated)
-        if self.measured is not None:
-            out.update({"hilore/memory/measured_peak_gib": self.measured[0] / 2**30,
-                        "hilore/memory/predicted_peak_gib": self.measured[1] / 2**30,
-                        "hilore/memory/peak_factor": self.peak_factor})
+        out.update(self.peaks.metrics())
         if last.spent_risk is not None:
             out["hilore/plan/risk_spent"] = last.spent_risk
         if self._audit_result is not None:  # only in the mini-batch whose audit ran

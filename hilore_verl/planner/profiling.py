@@ -1,7 +1,37 @@
-"""Profiling: the probe runs that measure a CostTable (planner/costs.py) on a model's runtime.
+"""Profiling: the probe runs that measure a CostTable (planner/costs.py) on a model's runtime
+(`profile`); the figures and how they scale with tokens are the cost model's (costs.py).
 
-What each probe runs and what it measures is in `profile`'s docstring; the figures and how they scale
-with tokens are the cost model's (costs.py).
+Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
+as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
+one layer's activations. There is one probed layer per layer variant (layers whose units have
+the same groups, units.py: e.g. the dense and the MoE layers of DeepSeek-V3), the middle one of
+its variant; its figures stand for every unit of the same group. Every probe times every unit's
+own forward (CUDA events: no synchronization per call); a unit's time is its fastest. A unit
+that never ran is a unit map that does not fit the model: ValueError.
+
+    1. GC's plan                                what a layer recomputed as one region holds
+    2. each probed layer kept (one probe each)  saved bytes and weight copies per group; unmanaged
+                                                bytes per layer
+    3. the probed layers and the head int8      the compressible share per group
+    4. per unit of a probed layer: recomputed, the rest of its layer kept
+                                                what a recomputed unit still holds, and what its
+                                                layer (one region) holds more for it: its inputs,
+                                                the kept calls' outputs the re-run replays
+       per head unit: recomputed                what the model holds more than with it kept
+    5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes and forward
+                                                times (attention cores only: QUADRATIC_KINDS)
+                                                and of unmanaged bytes; per group, the fixed
+                                                share of forward times (against 1 and 2's own
+                                                times, their spread as the noise)
+    6. 1 again, its allocations followed        what a pass allocates at once beyond what its
+       (peak_memory.allocations; with `small`,  forward held (backward's working memory), its
+       on the small probe too)                  share that does not grow, and the share of the
+                                                gradients allocated by then
+
+Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
+and hands-off, twice each: the runtime's overhead; the fastest GC pass (that hands-off one, or probe 1
+through the hooks) less the table's price of its recompute is the kept pass. Then codec and host-copy bandwidths, on samples
+the size of the largest unit's saved bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +45,10 @@ import torch
 
 from hilore_verl.kernels import payload_ratio
 from hilore_verl.peak_memory import Allocations, allocations
-from hilore_verl.planner.bandwidth import codec_bandwidth, host_bandwidth, sample_bytes
+from hilore_verl.planner.bandwidth import bandwidths
 from hilore_verl.planner.costs import CostTable, UnitProfile, in_layers
 from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share
+from hilore_verl.planner.pass_times import keep_pass_seconds, runtime_overhead
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.units import RecoveryUnit, name_in_layer
@@ -129,7 +160,7 @@ class _Probes:
 
 @dataclass
 class _ProbeStats:
-    """What the probe runs left held (`profile`'s docstring numbers them), and the runtime's overhead."""
+    """What the probe runs left held (the module's docstring numbers them), and the runtime's overhead."""
 
     whole: RuntimeStats  # 1: GC's plan
     keeps: dict[int, RuntimeStats]  # 2: each probed layer kept
@@ -155,38 +186,7 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
     with tokens). `head_rows`: the rows the head's log-prob code computes in the probe and the small
     probe, where the host says they are fewer than the tokens (the response tokens): the units outside
     the layers scale with those (CostTable.scale).
-
-    Every probe runs under GC's plan (each decoder layer recomputed as one region; the head kept,
-    as HF checkpointing keeps it) except in a probed layer, so a probe holds about GC's peak plus
-    one layer's activations. There is one probed layer per layer variant (layers whose units have
-    the same groups, units.py: e.g. the dense and the MoE layers of DeepSeek-V3), the middle one of
-    its variant; its figures stand for every unit of the same group. Every probe times every unit's
-    own forward (CUDA events: no synchronization per call); a unit's time is its fastest. A unit
-    that never ran is a unit map that does not fit the model: ValueError.
-
-        1. GC's plan                                what a layer recomputed as one region holds
-        2. each probed layer kept (one probe each)  saved bytes and weight copies per group; unmanaged
-                                                    bytes per layer
-        3. the probed layers and the head int8      the compressible share per group
-        4. per unit of a probed layer: recomputed, the rest of its layer kept
-                                                    what a recomputed unit still holds, and what its
-                                                    layer (one region) holds more for it: its inputs,
-                                                    the kept calls' outputs the re-run replays
-           per head unit: recomputed                what the model holds more than with it kept
-        5. with `small`: 1 and 2 on the small probe the quadratic shares of saved bytes and forward
-                                                    times (attention cores only: QUADRATIC_KINDS)
-                                                    and of unmanaged bytes; per group, the fixed
-                                                    share of forward times (against 1 and 2's own
-                                                    times, their spread as the noise)
-        6. 1 again, its allocations followed        what a pass allocates at once beyond what its
-           (peak_memory.allocations; with `small`,  forward held (backward's working memory), its
-           on the small probe too)                  share that does not grow, and the share of the
-                                                    gradients allocated by then
-
-    Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
-    and hands-off, twice each: the runtime's overhead; the fastest GC pass (that hands-off one, or probe 1
-    through the hooks) less the table's price of its recompute is the kept pass. Then codec and host-copy bandwidths, on samples
-    the size of the largest unit's saved bytes.
+    The probes: the module's docstring.
     """
     device = next(runtime.model.parameters()).device
     probes = _plan_probes(runtime, run, small, DeviceClock(device))
@@ -200,11 +200,12 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         r_head = small[1] / tokens if head_rows is None or not head_rows[1] else head_rows[1] / head_rows[0]
         unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic, r_head)
     saving = _region_saving(probes, stats.whole, units, tokens, unmanaged, element_size)
-    codec, host = _bandwidths(probes.clock, device, units, element_size)
+    codec, host = bandwidths(probes.clock, device, max((u.saved_bytes for u in units), default=0.0), element_size)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
                       unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead,
                       head_rows=head_rows[0] if head_rows is not None else 0, **kwargs)
-    table.keep_pass_s = _keep_pass_seconds(probes, stats.hands_off, table, tokens)
+    gc_pass = (stats.hands_off, runtime.checkpoint_plan()) if stats.hands_off else (min(probes.gc_passes), probes.gc_plan)
+    table.keep_pass_s = keep_pass_seconds(table, tokens, *gc_pass)
     r = small[1] / tokens if small is not None else None
     (table.transient_bytes, table.transient_fixed, table.gradients_at_peak,
      table.forward_transient_bytes, table.forward_transient_fixed) = _transient(stats, r)
@@ -380,38 +381,3 @@ def _region_saving(probes: _Probes, whole: RuntimeStats, units: list[UnitProfile
     table = CostTable(units, tokens, unmanaged, element_size)
     gc_costs = {u.name: RECOMPUTE if u.name in gc_plan else KEEP for u in units}
     return max((table.held(gc_costs, tokens) + unmanaged - _total(whole)) / runtime.whole_blocks(gc_plan), 0.0)
-
-
-def _bandwidths(clock: DeviceClock, device: torch.device, units: list[UnitProfile],
-                element_size: int) -> tuple[float, float]:
-    """Codec and host-copy bandwidths, on samples the size of the largest unit's saved bytes."""
-    # the codec on the activations' dtype and device (element_size 4: fp32, else bf16), at their sizes
-    dtype = torch.float32 if element_size == 4 else torch.bfloat16
-    nbytes = sample_bytes(device, max((u.saved_bytes for u in units), default=0.0), dtype.itemsize)
-    sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
-    return codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
-
-
-def _keep_pass_seconds(probes: _Probes, hands_off: float, table: CostTable, tokens: int) -> float:
-    """The pass with every unit kept: a measured GC pass less the table's price of its recompute."""
-    # a measured GC pass (hands-off where HF checkpointing ran it) less its recompute's price
-    runtime = probes.runtime
-    measured, under = (hands_off, runtime.checkpoint_plan()) if hands_off else (min(probes.gc_passes), probes.gc_plan)
-    return max(measured - table.seconds({u.name: under.get(u.name, KEEP) for u in table.units}, tokens), 0.0)
-
-
-def runtime_overhead(runtime: Runtime, run: Callable[[], None], clock: DeviceClock) -> tuple[float, float]:
-    """(seconds a pass of HF checkpointing's plan takes through the runtime's hooks over the same plan run
-    hands-off, the hands-off pass's seconds), the fastest of two each, interleaved; (0, 0) when the model
-    had no checkpointing to compare."""
-    plan = runtime.checkpoint_plan()
-    if plan is None:
-        return 0.0, 0.0
-    best = {True: math.inf, False: math.inf}
-    for _ in range(2):
-        for hooked in (True, False):
-            runtime.set_plan(plan, measure=hooked)
-            start = clock.mark()
-            run()
-            best[hooked] = min(best[hooked], clock.seconds(start, clock.mark()))
-    return max(best[True] - best[False], 0.0), best[False]

@@ -20,7 +20,7 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
     """Up to `count` distinct plans that fit the budget at `tokens`: the solver's, then its runner-ups by
     predicted step time (`Controller.predicted_step_seconds`), and the exact (keep / recompute) plan if
     it is not among them (so at most count + 1)."""
-    chosen = controller.plan_for(tokens, exposure_l2, allowance)
+    chosen = controller.search.plan_for(tokens, exposure_l2, allowance)
     limit = controller.limit(tokens)
     seconds = lambda p: controller.predicted_step_seconds(p, tokens)  # noqa: E731
     for baseline in controller.hands_off_plans():  # run without the hooks where that is no slower (as in training)
@@ -29,14 +29,14 @@ def ranked_plans(controller: Controller, tokens: int, count: int = 4, exposure_l
     found = {_key(chosen): chosen}
     for unit, option in chosen.items():
         try:
-            plan = controller.plan_for(tokens, exposure_l2, allowance, exclude=(unit, option))
+            plan = controller.search.plan_for(tokens, exposure_l2, allowance, exclude=(unit, option))
         except Infeasible:
             continue
         if controller.predicted_peak(plan, tokens) <= limit:
             found.setdefault(_key(plan), plan)
     ranked = [chosen] + sorted((p for k, p in found.items() if k != _key(chosen)), key=seconds)
     ranked = ranked[:count]
-    exact = controller.plan_for(tokens, exposure_l2, 0.0)
+    exact = controller.search.plan_for(tokens, exposure_l2, 0.0)
     if _key(exact) not in {_key(p) for p in ranked}:
         ranked.append(exact)
     return ranked

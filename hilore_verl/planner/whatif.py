@@ -102,7 +102,7 @@ def what_if(config, model_name: str, tokens: int, seq_len: int, gpus: int, gpu_m
     if budget_bytes > capacity:
         raise ValueError(f"the budget {budget_bytes / GIB:.2f} GiB is more than the {gpu_mem_gib:g} GiB "
                          f"of the device: lower --budget (e.g. gib:{gpu_mem_gib * 0.9:.0f} or auto:2)")
-    plan = controller.plan_for(tokens, row=row)
+    plan = controller.search.plan_for(tokens, row=row)
     options = {u.name: {o.plan: o for o in costs.options(u, tokens)} for u in costs.units}
     chosen = {n: options[n][c] for n, c in plan.items()}
     recompute = {n: options[n][RECOMPUTE] for n in plan}

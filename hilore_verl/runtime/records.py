@@ -3,8 +3,8 @@
 A saved tensor is held as one of:
   - `Kept`: a detached alias of the tensor (KEEP, and everything the runtime does not manage);
   - `Checked(Compressed)`: a quantized payload, dequantized on unpack (`offload.Offloaded` when it
-    waits in host memory; `Unchecked` around either while its inf / nan check is on its way to the
-    host);
+    waits in host memory; `finite_checks.Unchecked` around either while its inf / nan check is on its
+    way to the host);
   - `Dropped`: a reference to the `CallRecord` of the module call that produced it and where the
     tensor appears in that call (a locator); unpack re-runs the call's `Region` once (a decoder
     block, or the call itself) and hands out the result.
@@ -154,83 +154,6 @@ class Checked:
         if self.unpacked < self.saves:  # saves of it are still to come in this backward
             self.shared = t
         return t
-
-
-class WaitCount:
-    """How often settling a check had to wait for the device (a host synchronisation); none when every
-    check's copy had landed by the time it was read."""
-
-    __slots__ = ("n",)
-
-    def __init__(self):
-        self.n = 0
-
-
-class FiniteCheck:
-    """Whether a payload's groups held inf / nan, on its way to the host: a host scalar filled by a
-    non-blocking copy, and the event recorded after it. Reading it never waits for the device unless
-    asked to (`settle(wait=True)`). Once settled it corrects the accounting (`charges`: where the
-    payload's bytes were counted) and tells its holder, if still alive, which of the two to keep."""
-
-    __slots__ = ("flag", "done", "delta", "charges", "holder", "flagged", "waits")
-
-    def __init__(self, flag: torch.Tensor, done, delta: int, holder: "Unchecked", waits: WaitCount):
-        self.flag, self.done, self.waits = flag, done, waits
-        self.delta = delta  # bytes the exact tensor takes beyond its payload
-        self.charges: list = []  # (StepStats, charge)
-        self.holder = weakref.ref(holder)
-        self.flagged: bool | None = None
-
-    def settle(self, wait: bool) -> bool:
-        """True once settled; False (without waiting) while the copy has not completed and not `wait`."""
-        if self.flagged is not None:
-            return True
-        if not self.done.query():
-            if not wait:
-                return False
-            self.waits.n += 1
-            self.done.synchronize()
-        self.flagged = bool(self.flag)  # host memory, written by the completed copy
-        self.flag = self.done = None
-        if self.flagged:
-            for stats, charge in self.charges:
-                stats.flagged(charge, self.delta)
-        self.charges = []
-        holder = self.holder()
-        if holder is not None and self.flagged:
-            holder.payload = None
-        elif holder is not None:
-            holder.tensor = None
-        return True
-
-
-class Unchecked:
-    """A compressed tensor whose inf / nan check has not reached the host yet (an asynchronous device,
-    where reading the flags at pack time would wait for it): the tensor and its payload are both held
-    until the check settles, then a flagged tensor stays exact (the payload is dropped), any other
-    keeps only its payload. Unpack settles the check, waiting if it must (in backward the forward's
-    work is done)."""
-
-    __slots__ = ("tensor", "payload", "check", "__weakref__")
-
-    def __init__(self, t: torch.Tensor, payload: Any, flag: torch.Tensor, done, waits: WaitCount):
-        self.tensor: torch.Tensor | None = t.detach()
-        self.payload = payload  # Compressed or Offloaded
-        self.check = FiniteCheck(flag, done, t.numel() * t.element_size() - payload.nbytes, self, waits)
-
-    def charge(self, stats: Any, charge: Any) -> None:
-        """Where the payload's bytes were counted: corrected there if the check finds inf / nan."""
-        if self.check.flagged is None:
-            self.check.charges.append((stats, charge))
-
-    @property
-    def nbytes(self) -> int:
-        t = self.tensor
-        return t.numel() * t.element_size() if self.payload is None else self.payload.nbytes
-
-    def get(self) -> torch.Tensor:
-        self.check.settle(wait=True)
-        return self.tensor if self.payload is None else self.payload.get()
 
 
 class LiveKeyMap:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Mapping, Union
 
 import torch
 import torch.nn as nn
 
-from hilore_verl import checks
+from hilore_verl.runtime.config import RuntimeConfig
 from hilore_verl.runtime.forward import Forward
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
@@ -37,19 +36,6 @@ from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors
 from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensors, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.units import RecoveryUnit, find_units
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    min_bytes: int = 16384
-    """Saved tensors smaller than this are always kept as they are (their bookkeeping would cost more)."""
-    seed: int = 0
-    """Base seed of stochastic rounding; each compressed tensor's seed also depends on the forward count
-    and its position, so a run is reproducible from this seed."""
-
-    def __post_init__(self):
-        checks.integer("RuntimeConfig.min_bytes", self.min_bytes, ">= 0", lambda v: v >= 0)
-        checks.integer("RuntimeConfig.seed", self.seed)
 
 
 class Runtime:

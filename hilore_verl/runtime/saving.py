@@ -25,7 +25,8 @@ import torch.nn as nn
 from hilore_verl.kernels import quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import (Checked, Compressed, Kept, Unchecked, VersionWatch, WaitCount, geometry_of,
+from hilore_verl.runtime.finite_checks import Unchecked, WaitCount
+from hilore_verl.runtime.records import (Checked, Compressed, Kept, VersionWatch, geometry_of,
                                          storage_id, storage_key)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -134,7 +135,7 @@ class SavedTensors:
     def __init__(self, runtime):
         self.rt = runtime
         self.pools: dict[torch.device, OffloadPool] = {}
-        self.checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (records.FiniteCheck)
+        self.checks: deque = deque()  # inf / nan checks of compressed tensors not settled yet (finite_checks.FiniteCheck)
         self.pending_exact = 0  # bytes their exact copies hold beyond the payloads
         self.check_waits = WaitCount()
         self.compressions = 0  # in the current forward: part of each stochastic-rounding seed

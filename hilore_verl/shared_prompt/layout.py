@@ -136,73 +136,9 @@ class SharedLayout:
         with a `rule`, a group it does not pay to share is laid out unshared."""
         if len(sequences) == 0:
             raise ValueError("SharedLayout.build needs at least one sequence")
-        prompts: list[torch.Tensor] = []
-        responses: list[torch.Tensor] = []
-        for i, (_, prompt, response) in enumerate(sequences):
-            prompt = torch.as_tensor(prompt).reshape(-1).long().cpu()
-            response = torch.as_tensor(response).reshape(-1).long().cpu()
-            if prompt.numel() == 0:
-                raise ValueError(
-                    f"sequence {i} has an empty prompt: its first response token has no position to be "
-                    "predicted from (the ordinary forward does not score it either); give every sequence "
-                    "at least one prompt token, e.g. a BOS token"
-                )
-            prompts.append(prompt)
-            responses.append(response)
-
-        # members of each group id, in first-seen order; sequences without an id stand alone
-        members: dict[Hashable, list[int]] = {}
-        segments: list[tuple[list[int], bool]] = []  # (sequence indices, shared)
-        order: list[object] = []
-        for i, (gid, _, _) in enumerate(sequences):
-            if gid is None:
-                order.append(("alone", i))
-            else:
-                if gid not in members:
-                    members[gid] = []
-                    order.append(("group", gid))
-                members[gid].append(i)
-        fallback = 0
-        ungrouped = 0
-        for kind, key in order:
-            if kind == "alone":
-                segments.append(([key], False))
-                ungrouped += 1
-                continue
-            idx = members[key]
-            first = prompts[idx[0]]
-            if rule is not None and not rule.pays(first.numel(), [responses[j].numel() for j in idx]):
-                segments.extend(([j], False) for j in idx)
-            elif all(torch.equal(prompts[j], first) for j in idx[1:]):
-                segments.append((idx, True))
-            else:
-                segments.extend(([j], False) for j in idx)
-                fallback += 1
-
-        ids: list[torch.Tensor] = []
-        pos: list[torch.Tensor] = []
-        groups: list[GroupSpan] = []
-        predict = [torch.empty(0, dtype=torch.long)] * len(sequences)
-        where = [torch.empty(0, dtype=torch.long)] * len(sequences)  # each sequence's tokens in the row
-        offset = 0
-        for idx, shared in segments:
-            prompt = prompts[idx[0]]
-            p = prompt.numel()
-            ids.append(prompt)
-            pos.append(torch.arange(p))
-            cursor = offset + p  # the first response's first token
-            for j in idx:
-                r = responses[j].numel()
-                ids.append(responses[j])
-                pos.append(torch.arange(p, p + r))
-                # token 0 <- the prompt's last position; token k > 0 <- the response's position k-1
-                own = torch.arange(cursor, cursor + max(r - 1, 0))
-                predict[j] = torch.cat([torch.tensor([offset + p - 1]), own])[:r]
-                where[j] = torch.cat([torch.arange(offset, offset + p), torch.arange(cursor, cursor + r)])
-                cursor += r
-            groups.append(GroupSpan(offset, p, tuple(responses[j].numel() for j in idx), shared))
-            offset = cursor
-
+        prompts, responses = _token_ids(sequences)
+        segments, fallback, ungrouped = _segments(sequences, prompts, responses, rule)
+        ids, pos, groups, predict, where = _packed(segments, prompts, responses)
         layout = cls(
             input_ids=torch.cat(ids).unsqueeze(0),
             position_ids=torch.cat(pos).unsqueeze(0),
@@ -267,3 +203,85 @@ class MaskCache:
 
     def __init__(self) -> None:
         self.masks: dict = {}
+
+
+def _token_ids(sequences: Sequence[SequenceSpec]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each sequence's prompt and response ids as 1-D long host tensors; an empty prompt is refused."""
+    prompts: list[torch.Tensor] = []
+    responses: list[torch.Tensor] = []
+    for i, (_, prompt, response) in enumerate(sequences):
+        prompt = torch.as_tensor(prompt).reshape(-1).long().cpu()
+        response = torch.as_tensor(response).reshape(-1).long().cpu()
+        if prompt.numel() == 0:
+            raise ValueError(
+                f"sequence {i} has an empty prompt: its first response token has no position to be "
+                "predicted from (the ordinary forward does not score it either); give every sequence "
+                "at least one prompt token, e.g. a BOS token"
+            )
+        prompts.append(prompt)
+        responses.append(response)
+    return prompts, responses
+
+
+def _segments(sequences: Sequence[SequenceSpec], prompts: list[torch.Tensor], responses: list[torch.Tensor],
+              rule: ShareRule | None) -> tuple[list[tuple[list[int], bool]], int, int]:
+    """(segments as (sequence indices, shared), groups that fell back for differing prompts, sequences
+    without a group id): each group id's members in first-seen order, shared where their prompts are one
+    and the rule (if any) says it pays; a sequence without an id stands alone."""
+    members: dict[Hashable, list[int]] = {}
+    segments: list[tuple[list[int], bool]] = []
+    order: list[object] = []
+    for i, (gid, _, _) in enumerate(sequences):
+        if gid is None:
+            order.append(("alone", i))
+        else:
+            if gid not in members:
+                members[gid] = []
+                order.append(("group", gid))
+            members[gid].append(i)
+    fallback = 0
+    ungrouped = 0
+    for kind, key in order:
+        if kind == "alone":
+            segments.append(([key], False))
+            ungrouped += 1
+            continue
+        idx = members[key]
+        first = prompts[idx[0]]
+        if rule is not None and not rule.pays(first.numel(), [responses[j].numel() for j in idx]):
+            segments.extend(([j], False) for j in idx)
+        elif all(torch.equal(prompts[j], first) for j in idx[1:]):
+            segments.append((idx, True))
+        else:
+            segments.extend(([j], False) for j in idx)
+            fallback += 1
+    return segments, fallback, ungrouped
+
+
+def _packed(segments: list[tuple[list[int], bool]], prompts: list[torch.Tensor], responses: list[torch.Tensor]):
+    """The row's pieces, segment by segment (its prompt once, then its responses): token ids, positions,
+    group spans, and per sequence the row positions predicting its response tokens and holding its tokens."""
+    ids: list[torch.Tensor] = []
+    pos: list[torch.Tensor] = []
+    groups: list[GroupSpan] = []
+    predict = [torch.empty(0, dtype=torch.long)] * len(prompts)
+    where = [torch.empty(0, dtype=torch.long)] * len(prompts)  # each sequence's tokens in the row
+    offset = 0
+    for idx, shared in segments:
+        prompt = prompts[idx[0]]
+        p = prompt.numel()
+        ids.append(prompt)
+        pos.append(torch.arange(p))
+        cursor = offset + p  # the first response's first token
+        for j in idx:
+            r = responses[j].numel()
+            ids.append(responses[j])
+            pos.append(torch.arange(p, p + r))
+            # token 0 <- the prompt's last position; token k > 0 <- the response's position k-1
+            own = torch.arange(cursor, cursor + max(r - 1, 0))
+            predict[j] = torch.cat([torch.tensor([offset + p - 1]), own])[:r]
+            where[j] = torch.cat([torch.arange(offset, offset + p), torch.arange(cursor, cursor + r)])
+            cursor += r
+        groups.append(GroupSpan(offset, p, tuple(responses[j].numel() for j in idx), shared))
+        offset = cursor
+    return ids, pos, groups, predict, where

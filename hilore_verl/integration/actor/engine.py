@@ -17,8 +17,9 @@ recipe selects it). Overrides as little as possible of `FSDPEngineWithLMHead`:
   - `save_checkpoint` / `load_checkpoint`: the controller state rides along with verl's checkpoint
     (`hilore_controller.json`: plain JSON, validated on load; a bad file re-profiles).
 
-`VerlPasses` (passes.py) is what the session asks of verl (forward + backward passes, loss
-coefficients); `collectives.py` holds the data-parallel reductions. This file decides nothing.
+`VerlPasses` (passes.py) is what the session asks of verl (forward + backward passes); batch.py
+reads verl's batch (tokens, loss coefficients, exposure: `LossTerms`); `collectives.py` holds the
+data-parallel reductions. This file decides nothing.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ import torch
 import torch.distributed as dist
 
 import hilore_verl
-from hilore_verl import exposure, skip
+from hilore_verl import skip
 from hilore_verl.config import HiLoReConfig
 from hilore_verl.integration.actor.collectives import collectives_for
 from hilore_verl.integration.actor.compile_workers import limit_compile_workers
 from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.actor.device_memory import compute_device
-from hilore_verl.integration.actor.passes import VerlPasses, padded, sequence_lengths_tensor
-from hilore_verl.integration.actor.loss import actor_exposure, batch_skip_refusal, loss_coefficients, skip_refusal
+from hilore_verl.integration.actor.batch import LossTerms, padded, sequence_lengths_tensor, vocab_size
+from hilore_verl.integration.actor.passes import VerlPasses
+from hilore_verl.integration.actor.loss import batch_skip_refusal, skip_refusal
 from hilore_verl.integration.actor.shared_check import self_check
 from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
 from hilore_verl.recovery import StepSnapshot
@@ -49,7 +51,6 @@ from verl.utils.seqlen_balancing import rearrange_micro_batches
 from verl.workers.engine import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
-from verl.workers.utils.padding import no_padding_2_padding
 
 logger = logging.getLogger("hilore_verl")
 
@@ -89,13 +90,22 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError("hilore and verl's enable_activation_offload manage the same activations: "
                              "set actor_rollout_ref.model.enable_activation_offload=false")
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
-        self.actor_config = actor_config
+        self.loss_terms = LossTerms(lambda: vocab_size(self.model_config, self.module), actor_config)
         self.runtime = None
         self.session: Session | None = None
         self._snapshot: StepSnapshot | None = None  # host buffers of the optimizer-step snapshot, reused
         self._taken: StepSnapshot | None = None  # the snapshot of the mini-batch in train_batch now
         self._refusals: set[str] = set()  # why zero-exposure sequences were not skipped, each said once
         self._shared: SharedPrompt | None = None  # hilore.shared_prompt: each group's prompt once
+
+    @property
+    def actor_config(self):
+        """verl's actor config, for the loss coefficients (integration/actor/batch.py)."""
+        return self.loss_terms.actor_config
+
+    @actor_config.setter
+    def actor_config(self, config) -> None:
+        self.loss_terms.actor_config = config
 
     @property
     def controller(self):
@@ -142,59 +152,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         group = self.get_data_parallel_group() if dist.is_initialized() else None
         return read_controller_state(local_path, [u.name for u in self.runtime.units], group)
 
-    # ------------------------------------------------------------------ loss coefficients
-    def _check_inputs(self, data) -> None:
-        """The mini-batch's loss inputs, checked once (nan / inf, negative IS weights: one read of
-        device data); its micro-batches' coefficients are then computed without checks."""
-        if self.actor_config is None:
-            return
-        keys = ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
-        tensors = {k: padded(data, k) for k in keys if k in data}
-        names = {"old_log_probs": "old_log_prob"}
-        exposure.check_values(padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
-
-    def _coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
-        """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it
-        (its inputs' values were checked with the mini-batch's: `_check_inputs`)."""
-        mask = padded(micro_batch, "response_mask")
-        old = padded(micro_batch, "old_log_probs")
-        optional = {k: padded(micro_batch, k) for k in ("rollout_is_weights", "ref_log_prob") if k in micro_batch}
-        return loss_coefficients(old if log_prob is None else log_prob.to(old.device), old,
-                                 padded(micro_batch, "advantages"), mask, self.actor_config,
-                                 check=False, **optional)
-
-    def _exposure_l2(self, micro_batch, log_prob=None) -> torch.Tensor:
-        """L2 of the micro-batch's exposure, a 0-d tensor (unread): |c_t|, plus the entropy bound when
-        the actor's entropy_coeff is not 0 (the entropy bonus acts on the logits, so c leaves it out; a
-        zero-advantage micro-batch still moves the policy through it)."""
-        if self.actor_config is None:
-            return torch.ones(())
-        c = self._coefficients(micro_batch, log_prob)
-        vocab = self._vocab_size() if getattr(self.actor_config, "entropy_coeff", 0) else None
-        return actor_exposure(c, padded(micro_batch, "response_mask"), self.actor_config,
-                              vocab).l2_tensor()
-
-    def _exact_exposure(self, micro_batch, output):
-        """The exact exposure of a trained micro-batch, deferred: a function the controller calls with
-        the mini-batch's metrics, after the last backward (it converts verl's log-probs to the padded
-        layout and runs verl's loss for the coefficients, both of which read device data)."""
-        log_probs = output["model_output"]["log_probs"]  # detached by verl
-
-        def exact() -> torch.Tensor:
-            return self._exposure_l2(micro_batch, no_padding_2_padding(log_probs, micro_batch))
-
-        return exact
-
-    def _vocab_size(self) -> int | None:
-        """The model's vocabulary size V (the entropy bound is 2 ln V), from verl's model config."""
-        config = getattr(self.model_config, "hf_config", None)
-        if config is not None and hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        vocab = getattr(config, "vocab_size", None)
-        if vocab is None:  # the module's own config, as the model was built
-            vocab = getattr(getattr(self.module, "config", None), "vocab_size", None)
-        return vocab
-
     # ------------------------------------------------------------------ per step
     def train_batch(self, data, loss_function):
         """One mini-batch through the session (session.py); a fault leaves the engine as before the
@@ -206,7 +163,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if self._shared is not None:
             self._shared.take_metrics()  # this mini-batch's only (not the log-prob passes' before it)
         try:
-            self._check_inputs(data)
+            self.loss_terms.check(data)
             micro_batches, indices, layout = self._split(data, loss_function)
             out, metrics = self.session.train(micro_batches,
                                               lambda: self._train_step(data, micro_batches, indices, loss_function),
@@ -335,7 +292,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             index = self.session.before_forward()
             loss, output = super().forward_step(micro_batch, loss_function, forward_only)
             if self.session.records_risk():
-                self.session.after_forward(index, self._exact_exposure(micro_batch, output))
+                self.session.after_forward(index, self.loss_terms.exact_exposure(micro_batch, output))
             return loss, output
 
     def _log_probs(self, micro_batch, shared: bool) -> torch.Tensor:

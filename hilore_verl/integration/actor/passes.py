@@ -1,9 +1,8 @@
-"""What the session asks of verl's FSDP engine (host.Passes), and how a verl batch is read.
+"""What the session asks of verl's FSDP engine (host.Passes).
 
 `VerlPasses` runs the session's probe, calibration and audit passes through the engine's own
 `plain_forward_step` (verl's forward, loss and log-probs, without the session's per-micro-batch
-hooks) and reads the loss coefficients the engine computes from verl's batch; `padded` and
-`sequence_lengths` read verl's nested or padded tensors.
+hooks); what verl's batch says (tokens, loss coefficients, exposure) it reads through batch.py.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hilore_verl import exposure
+from hilore_verl.integration.actor.batch import sequence_lengths
 from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
 from hilore_verl.recovery import reset_after_failure
 from verl.utils import tensordict_utils as tu
@@ -21,25 +20,6 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 if TYPE_CHECKING:
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
-
-
-def padded(data, key):
-    """A field of verl's batch as a padded tensor (nested: padded with zeros, `exposure.padded`)."""
-    return exposure.padded(key, data[key])
-
-
-def sequence_lengths_tensor(data) -> torch.Tensor:
-    """Tokens per sequence of a batch (nested: its offsets; padded: its attention mask), unread."""
-    ids = data["input_ids"]
-    if ids.is_nested:
-        return ids.offsets().diff()
-    if "attention_mask" in data:
-        return data["attention_mask"].sum(-1)
-    return torch.full((ids.shape[0],), ids.shape[-1])
-
-
-def sequence_lengths(data) -> list[int]:
-    return sequence_lengths_tensor(data).tolist()
 
 
 class VerlPasses:
@@ -101,10 +81,10 @@ class VerlPasses:
                 for p in self.engine.module.parameters()]
 
     def coefficients(self, batch) -> torch.Tensor:
-        return self.engine._coefficients(batch)
+        return self.engine.loss_terms.coefficients(batch)
 
     def exposure_l2(self, batch, log_prob=None) -> torch.Tensor:
-        return self.engine._exposure_l2(batch, log_prob)
+        return self.engine.loss_terms.exposure_l2(batch, log_prob)
 
     def zero_grad(self) -> None:
         self.engine.optimizer.zero_grad()
