@@ -33,6 +33,7 @@ def _bare_engine(**attributes):
 # ---------------------------------------------------------------------- exposure under an entropy bonus
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg):
+    from hilore_verl.integration.actor.batch import LossTerms, vocab_size
     from hilore_verl.integration.tools.verl_engine import actor_config, to_engine_batch
 
     batch = make_grpo_batch(GRPOWorkload(num_groups=1, group_size=4, max_prompt_len=8, max_response_len=12), seed=0)
@@ -40,11 +41,10 @@ def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg)
     micro_batch = to_engine_batch(batch)  # verl's no-padding layout, as the engine's micro-batches
     model_config = types.SimpleNamespace(hf_config=tiny_config("qwen2"))
     figures = {}
-    for coeff in (0.0, 0.02):
-        engine = _bare_engine(actor_config=actor_config(entropy_coeff=coeff, loss_agg_mode=agg),
-                              model_config=model_config, module=None)
-        assert float(engine.loss_terms.coefficients(micro_batch).abs().sum()) == 0  # c leaves the entropy term out
-        figures[coeff] = float(engine.loss_terms.exposure_l2(micro_batch))  # a 0-d tensor, read here
+    for coeff in (0.0, 0.02):  # the engine's reader of verl's batch, its vocabulary from verl's model config
+        terms = LossTerms(lambda: vocab_size(model_config, None), actor_config(entropy_coeff=coeff, loss_agg_mode=agg))
+        assert float(terms.coefficients(micro_batch).abs().sum()) == 0  # c leaves the entropy term out
+        figures[coeff] = float(terms.exposure_l2(micro_batch))  # a 0-d tensor, read here
     assert figures[0.0] == 0.0 and figures[0.02] > 0, figures
     # the bound as stated: |entropy_coeff| * w_t * 2 ln V per response token, w_t from verl's agg_loss
     from hilore_verl.integration.actor.loss import aggregation_weights
