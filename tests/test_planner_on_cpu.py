@@ -755,6 +755,14 @@ def test_the_trials_stages_run_the_solvers_plan_its_exact_plan_or_hands_off():
     ctl.search._solve = lambda *a, exact=False, **k: solve(*a, exact=exact, **k) if exact else pytest.fail(
         "a compressing solve while the exact plans are the measured choice")
     assert _applied(ctl, rt, 0) == exact and ctl.metrics()["hilore/arm/exact"] == 1.0
+    # plans are cached per stage: where the model's overhead sends the plan arm to hands-off in the stage
+    # "hands_off", the same arm in the stage "exact" still runs the compressing plan
+    dear = Controller(rt, dataclasses.replace(costs, runtime_overhead_s=1e9), _flat_risk(costs.units), ROOMY,
+                      risk_budget=0.002)
+    dear.begin_mini_batch([0.0], [tokens])
+    assert _applied(dear, rt, 0) == rt.checkpoint_plan() and dear.arms.lossy and not dear.arms.informative
+    dear.arms.stage = "exact"
+    assert _applied(dear, rt, 0) == plan and dear.arms.informative
 
 
 def test_the_trial_compares_mini_batches_of_different_sizes_by_the_modelled_time_of_gcs_plan():
