@@ -635,14 +635,15 @@ def test_the_arm_that_runs_is_the_one_measured_faster():
 
 def test_the_plans_run_only_where_their_gain_is_measured():
     """The pairs' 95% interval decides: plans clearly faster run after TRIALS pairs; plans within the noise of
-    the baseline (steps spread by a few percent, as on the 2-core CPU) take more pairs and, with no gain shown
-    in MAX_TRIALS, the baseline runs; plans clearly slower give the baseline after TRIALS pairs."""
-    from hilore_verl.planner.arms import MAX_TRIALS, TRIALS, ArmTrial
+    the baseline (steps spread by a few percent, as on the 2-core CPU) take more pairs and, with no sign of a
+    gain in MAX_TRIALS, the baseline runs; a gain the mean shows but the interval not yet takes up to
+    LONG_TRIALS; plans clearly slower give the baseline after TRIALS pairs."""
+    from hilore_verl.planner.arms import LONG_TRIALS, MAX_TRIALS, TRIALS, ArmTrial
     from hilore_verl.intervals import mean_ci
 
     def run(ratios):  # the plans' relative times in turn after a slow warm-up (not a sample), the baseline's 1.0
         arms, it, last = ArmTrial(), iter([1.5, *ratios]), None
-        for _ in range(4 * MAX_TRIALS):
+        for _ in range(4 * LONG_TRIALS):
             arms.record(last)
             if arms.chosen is not None:
                 return arms.chosen, arms.pairs()
@@ -662,6 +663,15 @@ def test_the_plans_run_only_where_their_gain_is_measured():
     assert low < 1 < high  # undecided to the end
     # the old rule (the lower median of three samples per arm) would have taken the plans here
     assert statistics.median(noisy[:3]) < 1.0
+    # a 3% gain under +-4% noise: not shown in MAX_TRIALS pairs, but the mean says it may be there, so the
+    # trial goes on (at most LONG_TRIALS pairs) until the interval shows it
+    gain = [0.93, 1.01] * LONG_TRIALS
+    chosen, pairs = run(gain)
+    _, _, high = mean_ci(pairs[:MAX_TRIALS])
+    assert high > 1 and chosen == "plan" and MAX_TRIALS < len(pairs) <= LONG_TRIALS
+    # a mean gain that never reaches significance stops at LONG_TRIALS: the baseline
+    chosen, pairs = run([0.90, 1.08] * LONG_TRIALS)
+    assert chosen == "baseline" and len(pairs) == LONG_TRIALS
 
 
 def test_a_held_arm_runs_without_a_trial_until_the_recheck():

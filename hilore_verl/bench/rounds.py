@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
 from hilore_verl.intervals import mean_ci, t975
-from hilore_verl.planner.arms import MAX_TRIALS
+from hilore_verl.planner.arms import LONG_TRIALS
 
 LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds
 
@@ -49,9 +49,9 @@ class StopRule:
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
     """Untimed rounds before a set's timed ones."""
-    settle_max: int = 2 * (2 * MAX_TRIALS + 2) + 2
+    settle_max: int = 2 * (2 * LONG_TRIALS + 2) + 2
     """Untimed steps per key at most, after the warm-up, until the key is settled (`run_rounds`): the measured
-    trial's longest (two stages of MAX_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first
+    trial's longest (two stages of LONG_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first
     plans' two steps."""
     sweep_time_cap_s: float = 300.0
     """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
