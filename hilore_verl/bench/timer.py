@@ -43,10 +43,13 @@ class Timer:
     def settled(self, key) -> bool:
         """Whether later identical steps of `key` run its last step's plans: no planner, its measured trial
         decided (planner/arms.py), or none runs (its last two steps had no plan other than the baseline: the
-        first plans can differ from later ones, e.g. before the risk model is calibrated)."""
+        first plans can differ from later ones, e.g. before the risk model is calibrated) and none began (a
+        trial under way whose plans tightened for a while, the measured-peak feedback's, goes on later)."""
         c = self.controller(key)
-        return c is None or c.arms.chosen is not None or (len(self.informative[key]) >= 2
-                                                          and not any(self.informative[key][-2:]))
+        if c is None or c.arms.chosen is not None:
+            return True
+        begun = c.arms.stage == "exact" or c.arms.warmed or any(c.arms.samples.values())
+        return not begun and len(self.informative[key]) >= 2 and not any(self.informative[key][-2:])
 
     def timed(self, key, times: list[float]) -> dict:
         """A planned key's figures over its timed rounds (the last len(times) steps it ran): the cost model's
