@@ -211,7 +211,8 @@ class Controller:
         allowance = math.sqrt(self._allowance2)
         share = None if head is None else round(head / bucket, 2)
         key = (bucket, round(tokens / row, 2), share, round(l2 / allowance, 2) if allowance > 0 else
-               (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.stage, self.arms.label)
+               (0.0 if l2 == 0 else math.inf), round(self.memory_factor, 4), self.arms.stage, self.arms.contender,
+               self.arms.label)
         start = time.perf_counter()
         keep = self.all_units(KEEP)
         cached = (keep, False) if self._keeps_all(tokens, row) else self._cache.get(key)
