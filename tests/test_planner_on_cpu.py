@@ -838,6 +838,28 @@ def test_a_measured_overshoot_never_rules_out_gc_under_a_gc_ratio_budget(tiny):
     assert fixed.gc_always_fits() is None
 
 
+def test_a_peak_that_reads_low_now_and_then_does_not_change_the_plans_between_mini_batches():
+    """A measurement that reads within the prediction every other mini-batch (the CPU's resident size where
+    malloc serves the update from memory it kept) and 1.4x over it otherwise: the factor tightens once and
+    stays; before, it loosened after each low reading and tightened after the next (a new plan every
+    mini-batch). A model that holds three mini-batches in a row loosens it, one step per fit."""
+    from hilore_verl.planner.peak_feedback import LOOSEN_AFTER, PeakFeedback
+
+    budget, feedback, changes = 100.0, PeakFeedback(), 0
+    for i in range(11):  # the last one over
+        predicted = budget * feedback.factor  # the plans fill the budget they are given
+        changes += feedback.update(predicted * (1.4 if i % 2 == 0 else 0.9), predicted, budget)
+    assert changes == 1 and feedback.factor == pytest.approx(1 / 1.4)
+    factors = []
+    for _ in range(LOOSEN_AFTER + 2):
+        predicted = budget * feedback.factor
+        feedback.update(0.95 * predicted, predicted, budget)
+        factors.append(feedback.factor)
+    assert factors[:LOOSEN_AFTER - 1] == [pytest.approx(1 / 1.4)] * (LOOSEN_AFTER - 1)
+    assert factors[LOOSEN_AFTER - 1] > 1 / 1.4 and all(b > a for a, b in zip(factors[LOOSEN_AFTER - 1:], factors[LOOSEN_AFTER:]))
+    assert not feedback.update(1.4 * 50.0, 50.0, budget)  # an overshoot within the budget: no change
+
+
 def test_a_budget_that_fits_every_unit_kept_keeps_every_unit(tiny):
     """At no GC's peak (the budget of keeping everything at the micro-batch's own tokens), every unit is
     kept, though plans are cached per bucket of tokens (a bucket's largest micro-batch would not fit)."""
