@@ -236,7 +236,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 
 
 def _tiny_task(args) -> int:
-    from hilore_verl.tiny_task import make_tiny_task
+    from hilore_verl.tiny.task import make_tiny_task
 
     root = make_tiny_task(args.out, shape=args.shape)
     print(f"hilore-verl tiny-task: {os.path.abspath(root)} (model/, train.parquet, val.parquet)")

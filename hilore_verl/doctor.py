@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable, TextIO
 
-from hilore_verl.versions import SUPPORTED, installed_version, version_problems
+from hilore_verl.validation.versions import SUPPORTED, installed_version, version_problems
 
 PACKAGES = ("torch", "triton", "verl", "transformers")
 
@@ -75,14 +75,14 @@ def check_triton() -> Check:
 
     if not torch.cuda.is_available():
         return Check(True, "not applicable: no CUDA device (CPU tensors use the CPU codec)")
-    from hilore_verl.kernels import triton_check
+    from hilore_verl.kernels import triton_guard
 
     device = torch.device("cuda", torch.cuda.current_device())
-    ok, reason = triton_check.triton_status(device)
+    ok, reason = triton_guard.triton_status(device)
     if ok:
-        ok, reason = triton_check.bitwise_check(device)
+        ok, reason = triton_guard.bitwise_check(device)
     if not ok:
-        fixes = [fix for _, fix in triton_check.missing_pieces()]
+        fixes = [fix for _, fix in triton_guard.missing_pieces()]
         return Check(False, f"{reason} (compressed tensors would use the torch reference codec: correct, slower)",
                      "; ".join(fixes) or "see the detail; run tests/test_triton_codecs_on_cpu.py for more")
     return Check(True, f"quantize / dequantize launched on {device}: bit for bit the torch reference (int8, fp8, "
@@ -98,9 +98,10 @@ def check_plugin() -> Check:
     if policy == "none" or (policy != "auto" and entry[0].name not in policy.split(",")):
         return Check(False, f"verl plugin loading is restricted: VERL_USE_EXTERNAL_PLUGINS={policy}",
                      f"unset VERL_USE_EXTERNAL_PLUGINS or add '{entry[0].name}' to it")
-    from hilore_verl.integration.tools.selfcheck import load_verl_plugin
+    from hilore_verl.integration.tools.selfcheck import import_verl
 
-    STATUS = load_verl_plugin()
+    import_verl()  # verl loads the plugin (its entry point): STATUS says how that went
+    from hilore_verl.plugin import STATUS
 
     if not STATUS.loaded:
         return Check(False, f"entry point found but loading failed: {STATUS.error}",

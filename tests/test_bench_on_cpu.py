@@ -132,7 +132,7 @@ def test_cli_bad_method_is_one_line():
 
 
 def test_a_model_directory_replaces_the_default_shape(tmp_path):
-    from hilore_verl.tiny_models import save_tiny_model
+    from hilore_verl.tiny.models import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "llama", "llama", seed=1)
     config = BenchConfig(model=model_dir, vocab_size=512, num_groups=1, group_size=4, max_response_len=32, rounds=1)

@@ -64,13 +64,13 @@ def test_a_model_no_unit_map_fits_stops_main_ppo_before_ray(tmp_path):
 
 def test_the_unit_map_check_takes_a_users_map_from_external_lib(tmp_path, monkeypatch):
     from hilore_verl.integration.actor.map_check import check_unit_map
-    from hilore_verl.unit_maps import MAPS
+    from hilore_verl.model.unit_maps import MAPS
 
     model = _cohere(tmp_path / "cohere")
     with pytest.raises(ValueError, match="no module found for mlp.norm.*external_lib"):
         check_unit_map({"path": model})
     (tmp_path / "cohere_units.py").write_text(  # a user's module with the map (tested exact in test_unit_maps)
-        "from hilore_verl.unit_maps import register_map\n"
+        "from hilore_verl.model.unit_maps import register_map\n"
         "from tests.test_unit_maps_on_cpu import COHERE_MAP\n"
         "register_map('cohere', COHERE_MAP)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from hilore_verl.config import HiLoReConfig
+from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.planner import BudgetConfig
 
 
@@ -120,7 +120,7 @@ def test_every_key_is_documented_in_config_md():
     import dataclasses
     import pathlib
 
-    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.training.config import HiLoReConfig
 
     text = (pathlib.Path(__file__).parent.parent / "docs" / "config.md").read_text()
     keys = [f.name for f in dataclasses.fields(HiLoReConfig) if f.name != "budget"] + ["budget.mode", "budget.value"]
@@ -157,7 +157,7 @@ def test_every_key_of_the_section_is_checked_by_one_rule():
     """A new key cannot skip validation: bools by their type, every number by its entry in RANGES."""
     import dataclasses
 
-    from hilore_verl.config import RANGES, HiLoReConfig
+    from hilore_verl.training.config import RANGES, HiLoReConfig
 
     keys = {f.name for f in dataclasses.fields(HiLoReConfig)}
     flags = {f.name for f in dataclasses.fields(HiLoReConfig) if f.type == "bool"}

@@ -10,7 +10,7 @@ import torch
 
 from hilore_verl import attach, kernels
 from hilore_verl.kernels import cpu_fused, reference
-from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.tiny.models import build_tiny_model
 from tests.harness.models import policy_gradient_step
 
 

@@ -37,7 +37,7 @@ def test_doctor_command_on_this_machine():
 
 def test_doctor_names_the_fix_for_an_unsupported_verl(monkeypatch):
     real = doctor.installed_version
-    monkeypatch.setattr("hilore_verl.versions.installed_version",
+    monkeypatch.setattr("hilore_verl.validation.versions.installed_version",
                         lambda p: "0.8.0" if p == "verl" else real(p))
     monkeypatch.setattr(doctor, "installed_version", lambda p: "0.8.0" if p == "verl" else real(p))
     out = io.StringIO()
@@ -58,24 +58,24 @@ def test_doctor_reports_plugins_switched_off(monkeypatch):
 def test_doctor_checks_the_triton_kernels_only_where_there_is_a_cuda_device(monkeypatch):
     import torch
 
-    from hilore_verl.kernels import triton_check
+    from hilore_verl.kernels import triton_guard
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert doctor.check_triton() == doctor.Check(True, "not applicable: no CUDA device (CPU tensors use the CPU codec)")
     # a CUDA host, simulated: the launch check and the bitwise comparison decide
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(triton_check, "triton_status", lambda device: (True, ""))
-    monkeypatch.setattr(triton_check, "bitwise_check", lambda device: (True, ""))
+    monkeypatch.setattr(triton_guard, "triton_status", lambda device: (True, ""))
+    monkeypatch.setattr(triton_guard, "bitwise_check", lambda device: (True, ""))
     check = doctor.check_triton()
     assert check.ok and check.detail.startswith("quantize / dequantize launched on cuda:0: bit for bit the torch ref")
-    monkeypatch.setattr(triton_check, "bitwise_check", lambda device: (False, "the Triton kernels' codes differ"))
-    monkeypatch.setattr(triton_check, "missing_pieces", lambda: [])
+    monkeypatch.setattr(triton_guard, "bitwise_check", lambda device: (False, "the Triton kernels' codes differ"))
+    monkeypatch.setattr(triton_guard, "missing_pieces", lambda: [])
     check = doctor.check_triton()
     assert not check.ok and check.detail.startswith("the Triton kernels' codes differ") and "run tests/" in check.fix
     reason = "Triton cannot launch its kernels on cuda:0 (RuntimeError: no C compiler); missing: a C compiler"
-    monkeypatch.setattr(triton_check, "triton_status", lambda device: (False, reason))
-    monkeypatch.setattr(triton_check, "missing_pieces", lambda: [("a C compiler", "install gcc or clang, or set CC"),
+    monkeypatch.setattr(triton_guard, "triton_status", lambda device: (False, reason))
+    monkeypatch.setattr(triton_guard, "missing_pieces", lambda: [("a C compiler", "install gcc or clang, or set CC"),
                                                                  ("Python.h", "install python3-dev")])
     check = doctor.check_triton()
     assert not check.ok and check.detail.startswith(reason) and "use the torch reference codec" in check.detail

@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model, tiny_config
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model, tiny_config
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 from tests.harness.profiles import gpu_like_profile
 from tests.test_hilore_engine_on_cpu import WORKLOAD
@@ -57,7 +57,7 @@ def test_the_engine_plans_zero_advantages_as_exposed_under_an_entropy_bonus(agg)
 # ---------------------------------------------------------------------- reading a checkpoint's state
 def _unit_names():
     import hilore_verl
-    from hilore_verl.tiny_models import build_tiny_model
+    from hilore_verl.tiny.models import build_tiny_model
 
     runtime = hilore_verl.attach(build_tiny_model("qwen2", seed=0))
     names = [u.name for u in runtime.units]
@@ -130,7 +130,7 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 
 def _audits(rank, world_size, model_dir, batch):
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from hilore_verl.planner.controller import Controller
@@ -191,7 +191,7 @@ def test_audits_sample_an_exposed_micro_batch_and_report_only_when_run(tmp_path)
 def _resume_from_bad_states(rank, world_size, model_dir, batch, ckpt_dir):
     import torch.distributed as dist
 
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     import hilore_verl.integration.actor.controller_file as controller_file
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from hilore_verl import exposure
+from hilore_verl.loss import exposure
 from hilore_verl.integration.actor import loss as actor_loss
 from hilore_verl.integration.tools.verl_engine import actor_config, to_engine_batch
 from hilore_verl.integration.actor.loss import aggregation_weights, policy_loss_modes
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_TYPES = ["kl", "abs", "mse", "low_var_kl"]

@@ -18,8 +18,8 @@ import dataclasses
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)  # 2 micro-batches/rank
@@ -114,7 +114,7 @@ SETTINGS = {"exact": {"risk_budget": 0.0},
 
 
 def _suite(rank, world_size, model_dir, batch, defer, points, setting="exact"):
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.harness.profiles import gpu_like_profile
@@ -199,7 +199,7 @@ def test_every_fault_point_retries_exactly_or_fails_with_the_state_restored(tmp_
 def _no_snapshot(rank, world_size, model_dir, batch):
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
-    from hilore_verl.recovery import StepFailed
+    from hilore_verl.training.snapshots import StepFailed
 
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])
@@ -224,7 +224,7 @@ def test_without_a_snapshot_a_fault_in_the_optimizer_step_stops_training(tmp_pat
 
 def _profile_audit_and_auto_budget(rank, world_size, model_dir, batch):
     """Faults in the first step's profiling and in an audit; a budget measured from free memory."""
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
     from tests.harness.profiles import gpu_like_profile
@@ -288,8 +288,8 @@ def test_step_snapshot_restores_parameters_and_adam_state(steps_before, staged):
     """Plain module, no ranks: whatever a step changed in parameters and optimizer state (first-step
     state included) is put back bitwise; gradients are not copied (a retry computes them again). Staged:
     the accelerator's path (a worker thread, a ring of two 40-byte slots that every tensor cycles through)."""
-    from hilore_verl.recovery import StepSnapshot
-    from hilore_verl.staged_copy import StagedCopy
+    from hilore_verl.training.snapshots import StepSnapshot
+    from hilore_verl.training.staged_copy import StagedCopy
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -328,8 +328,8 @@ def test_the_step_snapshots_host_bytes_follow_its_formula_and_its_ring_does_not_
     """Pageable host bytes: exactly 12 per parameter with fp32 AdamW (parameter, two moments) and 4 per
     parameter tensor (its step counter); the staging ring (pinned on an accelerator) stays SLOTS x SLOT_BYTES
     whatever the model's size."""
-    from hilore_verl.recovery import StepSnapshot
-    from hilore_verl.staged_copy import SLOT_BYTES, SLOTS
+    from hilore_verl.training.snapshots import StepSnapshot
+    from hilore_verl.training.staged_copy import SLOT_BYTES, SLOTS
 
     model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -350,7 +350,7 @@ def _ranks_fail(rank, world_size, model_dir, batch, points):
 
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
-    from hilore_verl.recovery import StepFailed
+    from hilore_verl.training.snapshots import StepFailed
 
     config = actor_config()
     td = to_engine_batch(shard(batch, rank, world_size), global_batch_size=batch["input_ids"].shape[0])

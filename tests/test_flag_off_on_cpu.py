@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 from tests.harness.distributed import run_on_ranks
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"

@@ -15,9 +15,9 @@ from tests.harness import subprocess as harness
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKED = ("verl", "ray", "hydra", "omegaconf")
 CORE = ("hilore_verl", "hilore_verl.runtime", "hilore_verl.kernels", "hilore_verl.kernels.triton_codec",
-        "hilore_verl.planner", "hilore_verl.session", "hilore_verl.config", "hilore_verl.bench",
+        "hilore_verl.planner", "hilore_verl.training.session", "hilore_verl.training.config", "hilore_verl.bench",
         "hilore_verl.bench.session_passes", "hilore_verl.gpucheck", "hilore_verl.gpucheck.stages",
-        "hilore_verl.gpucheck.model", "hilore_verl.gpucheck.profiling", "hilore_verl.cli", "hilore_verl.doctor")
+        "hilore_verl.gpucheck.model", "hilore_verl.gpucheck.profile_stage", "hilore_verl.cli", "hilore_verl.doctor")
 
 
 def _blocking_site(tmp_path) -> str:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hilore_verl.integration.cpu_host.hf_rollout import HFGenerateServer
-from hilore_verl.tiny_task import make_tokenizer
+from hilore_verl.tiny.task import make_tokenizer
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from hilore_verl.tiny_task import make_tiny_task
+    from hilore_verl.tiny.task import make_tiny_task
 
     return make_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task"))
 
@@ -79,7 +79,7 @@ def test_load_weights_replaces_the_copy_and_refuses_partial_or_foreign_sets(task
 def test_tied_embeddings_load_from_either_name(task, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hilore_verl.tiny_models import save_tiny_model
+    from hilore_verl.tiny.models import save_tiny_model
 
     server = _server(task)
     save_tiny_model(str(tmp_path / "tied"), "qwen2", seed=1, vocab_size=16, tie_word_embeddings=True)

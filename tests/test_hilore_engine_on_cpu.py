@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 from tests.harness.profiles import gpu_like_profile
 
@@ -39,7 +39,7 @@ def _train_step(engine, batch, rank, world_size, loss_fn):
 
 
 def _compare(rank, world_size, model_dir, batch, risk_budget):
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
@@ -89,7 +89,7 @@ def test_hilore_engine_against_stock_verl(tmp_path, risk_budget):
 
 
 def _audit_and_oom(rank, world_size, model_dir, batch):
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
@@ -189,7 +189,7 @@ def test_verl_model_options_update_as_stock_verl(tmp_path, options):
 
 def test_start_up_checks_the_codec_launch_where_compression_can_run(monkeypatch):
     import hilore_verl.kernels as kernels
-    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.training.config import HiLoReConfig
     from hilore_verl.integration.actor.engine import check_codec_device
 
     asked = []
@@ -204,7 +204,7 @@ def test_start_up_checks_the_codec_launch_where_compression_can_run(monkeypatch)
 def _first_steps_without_exposure(rank, world_size, model_dir, batch):
     """verl's engine on data a GRPO run starts with: step 1 with every advantage zero on every rank, step 2
     with exposure on rank 1 only, step 3 on both."""
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 

@@ -27,8 +27,8 @@ import threading
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 from tests.harness.profiles import gpu_like_profile
 from tests.test_hilore_engine_on_cpu import WORKLOAD
@@ -98,7 +98,7 @@ def _count_forward_steps(engine) -> list[list]:
 
 
 def _forward_reads(rank, world_size, model_dir, batch, hilore):
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 
@@ -144,7 +144,7 @@ def test_the_controller_reads_a_mini_batch_of_exact_exposures_at_once_as_floats_
     in one transfer and records the same risk a float of the same value does."""
     from hilore_verl.planner import BudgetConfig, Controller, CostTable, UnitProfile
     from hilore_verl.planner.controller import PlanRecord
-    from hilore_verl.risk import RiskModel
+    from hilore_verl.loss.risk import RiskModel
     from hilore_verl.runtime import KEEP, UnitPlan
 
     units = [UnitProfile(f"layers.0.u{i}", 1e6, 1e5, 1e-3) for i in range(3)]
@@ -222,7 +222,7 @@ class FakeDevice:
 
 @pytest.fixture
 def fake_device(monkeypatch):
-    import hilore_verl.staged_copy as staged_copy
+    import hilore_verl.training.staged_copy as staged_copy
 
     log = []
     device = FakeDevice(log)
@@ -232,7 +232,7 @@ def fake_device(monkeypatch):
 
 
 def test_the_snapshot_waits_on_the_device_only_and_restores_exactly(fake_device):
-    from hilore_verl.recovery import StepSnapshot
+    from hilore_verl.training.snapshots import StepSnapshot
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -273,7 +273,7 @@ def _main_thread_waits(log) -> list:
 
 
 def _snapshot_timeline(rank, world_size, model_dir, batch):
-    import hilore_verl.staged_copy as staged_copy
+    import hilore_verl.training.staged_copy as staged_copy
     from hilore_verl.integration.tools.verl_engine import actor_config, build_fsdp_engine, ppo_loss_fn, to_engine_batch
     from hilore_verl.integration.actor.engine import HiLoReFSDPEngine
 

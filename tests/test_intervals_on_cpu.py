@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from hilore_verl.bench.rounds import rotated
-from hilore_verl.intervals import mean_ci, paired_ratio_ci, t975
+from hilore_verl.measure.intervals import mean_ci, paired_ratio_ci, t975
 
 
 def test_the_interval_of_a_mean_is_t_times_the_standard_error():

@@ -13,8 +13,8 @@ from hilore_verl.runtime import Mode
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.finite_checks import Unchecked
 from hilore_verl.runtime.records import Checked
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import make_grpo_batch
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import make_grpo_batch
 from tests.harness.models import WORKLOAD
 
 IN_PLACE = Plan(default=UnitPlan(Mode.COMPRESS, fmt="int8"))

@@ -5,7 +5,7 @@ call is sdpa's own."""
 import torch
 
 from hilore_verl.integration.cpu_host.packed_attention import NAME, register
-from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.tiny.models import build_tiny_model
 
 
 def _model():

@@ -8,7 +8,7 @@ import torch
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
 from hilore_verl.bench.peak import state_bytes
-from hilore_verl.peak_memory import allocations
+from hilore_verl.measure.peak_memory import allocations
 from hilore_verl.planner import BudgetConfig
 
 MiB = 2**20

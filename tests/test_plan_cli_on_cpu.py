@@ -85,7 +85,7 @@ def test_a_model_the_meta_device_cannot_run_is_refused_in_one_line(tmp_path, cap
     tensors lack: it plans through its stand-in, and without one it would be refused in one line."""
     from hilore_verl import cli
     from hilore_verl.planner import analytic
-    from hilore_verl.tiny_models import tiny_config
+    from hilore_verl.tiny.models import tiny_config
 
     tiny_config("granitemoe").save_pretrained(tmp_path)
     command = ["plan", "--model", str(tmp_path), "--micro-batch-tokens", "256", "--gpus", "1"]

@@ -14,11 +14,11 @@ import hilore_verl.planner.solver as solver_module
 from hilore_verl.runtime import KEEP, RECOMPUTE, UnitPlan
 from hilore_verl.planner import BudgetConfig, Controller, Infeasible, Option, profile, solve
 from hilore_verl.planner.costs import CostTable, UnitProfile
-from hilore_verl.risk import RiskModel
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.loss.risk import RiskModel
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 from tests.harness.distributed import run_on_ranks
-from hilore_verl.workload import response_log_probs
+from hilore_verl.tiny.workload import response_log_probs
 
 
 def _random_options(rng, units, lossy=True):
@@ -231,9 +231,9 @@ def _plans_on_rank(rank, world_size):
     """Micro-batches as (exposure, tokens); the session reduces them over the ranks for the controller."""
     from types import SimpleNamespace
 
-    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.training.config import HiLoReConfig
     from hilore_verl.integration.actor.collectives import DataParallel
-    from hilore_verl.session import Session
+    from hilore_verl.training.session import Session
 
     _, rt, _, tokens, costs = _tiny_probe()
     costs = _gpu_like(costs)
@@ -262,7 +262,7 @@ def test_ranks_with_different_data_plan_identically():
 
 
 def test_the_audit_samples_micro_batches_with_exposure(tiny):
-    from hilore_verl.risk import GradientAudit
+    from hilore_verl.loss.risk import GradientAudit
 
     _, rt, _, tokens, costs = tiny
     risk = _flat_risk(costs.units)
@@ -277,7 +277,7 @@ def test_the_audit_samples_micro_batches_with_exposure(tiny):
 
 def _audited_controller(tiny):
     """A controller with flat sensitivities, GPU-like costs and an audit every step; and the probe's tokens."""
-    from hilore_verl.risk import GradientAudit
+    from hilore_verl.loss.risk import GradientAudit
 
     _, rt, _, tokens, costs = tiny
     costs = _gpu_like(costs)
@@ -333,7 +333,7 @@ def test_offloaded_compression_is_planned_with_a_risk_model(tiny):
 
 def test_analytic_costs_from_the_config_match_the_profile(tiny):
     from hilore_verl.planner.analytic import analytic_costs
-    from hilore_verl.tiny_models import tiny_config
+    from hilore_verl.tiny.models import tiny_config
 
     _, _, _, tokens, costs = tiny
     analytic = analytic_costs(tiny_config("qwen2"), tokens=tokens, seq_len=WORKLOAD.max_prompt_len, dtype=torch.float32)
@@ -362,7 +362,7 @@ def test_an_audit_anomaly_tightens_the_next_plans(tiny):
 
 
 def _calibrated_state(costs):
-    from hilore_verl.risk import GradientAudit
+    from hilore_verl.loss.risk import GradientAudit
 
     risk = RiskModel()
     for i, u in enumerate(costs.units):  # measured figures: arbitrary floats
@@ -513,7 +513,7 @@ def test_ranks_average_every_float_field_of_the_cost_table():
 
 def test_probes_stay_within_gc_plus_one_layer_and_calibrate_once_per_kind():
     """Every probe plan (profile and calibration) recomputes every decoder layer but at most one."""
-    from hilore_verl.risk import calibrate_by_group
+    from hilore_verl.loss.risk import calibrate_by_group
 
     model, rt, run, tokens, _ = _tiny_probe()
     plans = []
@@ -639,7 +639,7 @@ def test_the_plans_run_only_where_their_gain_is_measured():
     gain in MAX_TRIALS, the baseline runs; a gain the mean shows but the interval not yet takes up to
     LONG_TRIALS; plans clearly slower give the baseline after TRIALS pairs."""
     from hilore_verl.planner.arms import LONG_TRIALS, MAX_TRIALS, TRIALS, ArmTrial
-    from hilore_verl.intervals import mean_ci
+    from hilore_verl.measure.intervals import mean_ci
 
     def run(ratios):  # the plans' relative times in turn after a slow warm-up (not a sample), the baseline's 1.0
         arms, it, last = ArmTrial(), iter([1.5, *ratios]), None

@@ -95,7 +95,7 @@ def test_verl_workers_import_after_verl_sees_the_cpu_device():
 def test_plugin_failure_is_loud_not_silent():
     # An unsupported verl makes the plugin refuse to register; verl would swallow an exception,
     # so the plugin must warn on stderr and record the reason.
-    code = ("import hilore_verl.versions as v\n"
+    code = ("import hilore_verl.validation.versions as v\n"
             "v.installed_version = lambda p: '0.8.2' if p == 'verl' else v.metadata.version(p)\n" + REPORT)
     proc = run_python(code, env={"VERL_PLATFORM": ""})  # no CPU platform registered: verl's own choice
     assert proc.returncode == 0, proc.stderr

@@ -232,8 +232,8 @@ def test_a_standalone_calls_saved_inputs_are_its_units_and_fixed_memory_in_the_p
     option of the head and not in the backward's reserve, and predicted memory still matches the
     runtime's."""
     from hilore_verl.planner import BudgetConfig, Controller
-    from hilore_verl.tiny_models import build_tiny_model
-    from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+    from hilore_verl.tiny.models import build_tiny_model
+    from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 
     batch = make_grpo_batch(GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48), seed=0)
     start = batch["prompts"].shape[1] - 1

@@ -13,11 +13,11 @@ from hilore_verl.planner import bandwidth
 from hilore_verl.planner import profiling as costs
 from hilore_verl.planner.bandwidth import sample_bytes
 from hilore_verl.planner.growth import fixed_share, quadratic_share
-from hilore_verl.timing import DeviceClock, fit_bandwidth
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.units import name_in_layer
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
-from hilore_verl.workload import response_log_probs
+from hilore_verl.measure.timing import DeviceClock, fit_bandwidth
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.model.units import name_in_layer
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.workload import response_log_probs
 
 OVERHEAD = 50e-6  # a launch
 BW = 1e12  # bytes per second at large sizes

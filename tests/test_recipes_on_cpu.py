@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "grpo"
@@ -119,7 +119,7 @@ def _worker_update(rank, world_size, model_dir, batch):
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    import hilore_verl.calibration as calibration
+    import hilore_verl.training.calibration as calibration
     from tests.harness.profiles import gpu_like_profile
 
     # a profile whose plans do not follow this host's timing: measured, the hooks' overhead could price GC's

@@ -8,13 +8,13 @@ import torch
 
 import hilore_verl
 import hilore_verl.runtime.saving as runtime_module
-from hilore_verl import exposure
+from hilore_verl.loss import exposure
 from hilore_verl.integration.actor import loss as actor_loss
 from hilore_verl.integration.tools.verl_engine import actor_config
-from hilore_verl.risk import GradientAudit, RiskModel, calibrate, codec_error
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
-from hilore_verl.workload import response_log_probs
+from hilore_verl.loss.risk import GradientAudit, RiskModel, calibrate, codec_error
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.workload import response_log_probs
 from tests.harness.models import surrogate_gradient
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=16, max_response_len=48, zero_advantage_share=0.5)
@@ -161,7 +161,7 @@ def test_risk_follows_the_plans_codec_settings():
 def test_gradient_sums_equal_float64_sums_over_chunks_and_missing_gradients(monkeypatch, dtype):
     """Chunks of 7 elements over tensors of 1, 7, 8 and 23 elements, a gradient only one pass has (the
     other counts as zero) and one neither has: the float64 sums of the whole, concatenated."""
-    from hilore_verl import risk as risk_module
+    from hilore_verl.loss import risk as risk_module
 
     monkeypatch.setattr(risk_module, "SUM_CHUNK", 7)
     g = torch.Generator().manual_seed(1)
@@ -190,12 +190,12 @@ def test_the_audits_sums_read_gradients_in_place_in_bounded_memory():
     import subprocess
     import sys
 
-    from hilore_verl.risk import SUM_CHUNK
+    from hilore_verl.loss.risk import SUM_CHUNK
 
     script = (
         "import torch\n"
-        "from hilore_verl.peak_memory import PeakMeter\n"
-        "from hilore_verl.risk import gradient_sums\n"
+        "from hilore_verl.measure.peak_memory import PeakMeter\n"
+        "from hilore_verl.loss.risk import gradient_sums\n"
         "g = torch.Generator().manual_seed(0)\n"
         "exact = [torch.randn(24 * 2**20, generator=g), torch.randn(8 * 2**20 + 5, generator=g), None]\n"
         "approx = [e + 1e-3 * torch.randn(e.shape, generator=g) for e in exact[:2]] + [None]\n"

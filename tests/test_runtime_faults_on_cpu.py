@@ -9,8 +9,8 @@ import torch
 
 from hilore_verl import UnitPlan, attach
 from hilore_verl.runtime.stats import StepStats
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import make_grpo_batch
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import make_grpo_batch
 from tests.harness.models import WORKLOAD, policy_gradient_step
 
 PLANS = {

@@ -14,7 +14,7 @@ PLANS = {  # rank -> plan: the ranks deliberately disagree, so a recompute that 
 def _sharded_model(family, dtype):
     from torch.distributed.fsdp import fully_shard
 
-    from hilore_verl.tiny_models import build_tiny_model
+    from hilore_verl.tiny.models import build_tiny_model
 
     model = build_tiny_model(family, seed=0, dtype=dtype).train()
     for layer in model.model.layers:  # as verl does: each decoder layer, then the root

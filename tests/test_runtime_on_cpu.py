@@ -10,8 +10,8 @@ import torch
 import hilore_verl
 from hilore_verl import Plan, UnitPlan, attach
 from hilore_verl.runtime import Mode
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import make_grpo_batch
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import make_grpo_batch
 from tests.harness.models import WORKLOAD, cosine_and_rel_error, policy_gradient_step
 
 FAMILIES = ["qwen2", "llama"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from hilore_verl import attach
-from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.tiny.models import build_tiny_model
 from tests.harness.models import policy_gradient_step
 
 

@@ -7,8 +7,8 @@ layers. lr = 0, so the same mini-batch can be trained twice on the same weights 
 import pytest
 import torch
 
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=24)

@@ -9,7 +9,7 @@ from hilore_verl import Plan, RuntimeConfig, attach
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.runtime.records import Checked, Kept
 from hilore_verl.runtime.saving import RowShapes, SavedTensors, is_row_statistic
-from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.tiny.models import build_tiny_model
 
 
 def _capture(monkeypatch):

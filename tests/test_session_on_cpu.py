@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import hilore_verl
-import hilore_verl.calibration as calibration
-from hilore_verl.config import HiLoReConfig
+import hilore_verl.training.calibration as calibration
+from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.planner.costs import measured_values
-from hilore_verl.recovery import StepSnapshot, reset_after_failure
-from hilore_verl.session import Session
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, response_log_probs
+from hilore_verl.training.snapshots import StepSnapshot, reset_after_failure
+from hilore_verl.training.session import Session
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, response_log_probs
 from tests.harness.distributed import run_on_ranks
 from tests.harness.profiles import gpu_like_profile
 
@@ -338,7 +338,7 @@ def test_a_retried_mini_batch_feeds_no_measured_peak_back():
 
 
 def test_the_cpu_peak_meter_sees_an_allocation_made_after_its_start():
-    from hilore_verl.peak_memory import PeakMeter
+    from hilore_verl.measure.peak_memory import PeakMeter
 
     meter = PeakMeter(cuda=False)
     assert meter.available, meter.why_not
@@ -441,7 +441,7 @@ def test_ranks_calibrate_alike_when_only_one_has_exposure():
 def test_the_device_peak_meter_reads_the_allocators_reserved_peak(monkeypatch):
     """On CUDA the measured peak is the caching allocator's reserved high-water mark (what a budget of device
     memory is), not the allocated one: fragmentation is part of what runs a job out of memory."""
-    from hilore_verl import peak_memory
+    from hilore_verl.measure import peak_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))

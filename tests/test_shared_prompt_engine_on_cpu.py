@@ -4,8 +4,8 @@ update equal to stock verl's within floating-point reordering (fp32), verl's los
 import pytest
 import torch
 
-from hilore_verl.tiny_models import build_tiny_model, save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import build_tiny_model, save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 
 # 2 groups of 4: each rank holds one group, its micro-batches of 2 sequences share one prompt

@@ -1,6 +1,6 @@
 """The shared-prompt forward (hilore_verl.shared_prompt) against the ordinary per-sequence forward.
 
-Bounds, fp32, every family of hilore_verl.tiny_models:
+Bounds, fp32, every family of hilore_verl.tiny.models:
   log-probs and entropies   max |shared - ref| / max |ref| <= 1e-5
   gradients of sum(logp * c), per parameter: cosine >= 0.999999 and |g - g_ref| / |g_ref| <= 1e-5
 A wrong mask (responses cut off from their prompt, or a sliding window ignored) moves the log-probs
@@ -25,7 +25,7 @@ from hilore_verl.shared_prompt import (
     uninstall,
     unshared_log_probs,
 )
-from hilore_verl.tiny_models import FAMILIES, build_tiny_model
+from hilore_verl.tiny.models import FAMILIES, build_tiny_model
 
 NO_SHARED_ATTENTION = {"gpt_oss"}  # attention sinks (s_aux): the fallback serves them
 

@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from hilore_verl import skip
-from hilore_verl.host import SingleProcess
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.loss import skip
+from hilore_verl.training.host import SingleProcess
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
 
 TOLERANCE = 1e-5

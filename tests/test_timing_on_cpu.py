@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hilore_verl.planner import profiling as costs
-from hilore_verl.timing import DeviceClock
+from hilore_verl.measure.timing import DeviceClock
 from tests.test_planner_on_cpu import _tiny_probe
 
 
@@ -62,7 +62,7 @@ def test_on_the_cpu_a_side_stream_runs_synchronously():
 
 
 def test_a_fit_that_is_not_physical_falls_back_to_the_larger_calls_throughput():
-    from hilore_verl.timing import fit_bandwidth
+    from hilore_verl.measure.timing import fit_bandwidth
 
     assert fit_bandwidth(lambda n: 1e-3, 4096) == (4096 / 1e-3, 0.0)  # no slower at 4x the bytes: noise
     assert fit_bandwidth(lambda n: n * n * 1e-12, 4096) == (4096 / (4096 ** 2 * 1e-12), 0.0)  # t0 < 0

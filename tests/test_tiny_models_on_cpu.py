@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hilore_verl.tiny_models import FAMILIES, attention_of, build_tiny_model, save_tiny_model, tiny_config
+from hilore_verl.tiny.models import FAMILIES, attention_of, build_tiny_model, save_tiny_model, tiny_config
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

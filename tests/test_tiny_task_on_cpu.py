@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hilore_verl.cli import main
-from hilore_verl.tiny_task import DATA_SOURCE, compute_score, make_tiny_task
+from hilore_verl.tiny.task import DATA_SOURCE, compute_score, make_tiny_task
 from tests.test_recipes_on_cpu import compose
 
 
@@ -48,7 +48,7 @@ def test_verls_dataset_tokenizer_and_reward_read_it(task):
     # four digits and "="; decoded by the byte-level decoder transformers pairs with a Qwen2 config
     assert len(ids) == 5 and tokenizer.decode(ids).replace(" ", "") == prompt.replace(" ", "")
     assert row["reward_model"]["ground_truth"] == prompt.split()[0]
-    score = load_extern_object("pkg://hilore_verl.tiny_task", "compute_score")
+    score = load_extern_object("pkg://hilore_verl.tiny.task", "compute_score")
     answer = row["reward_model"]["ground_truth"]
     assert score(DATA_SOURCE, f"{answer} 4", answer) == 1.0
     assert score(DATA_SOURCE, tokenizer.decode([tokenizer.convert_tokens_to_ids(answer), tokenizer.eos_token_id],

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from hilore_verl.kernels import FORMATS, GROUP_SIZES, reference
 from hilore_verl.kernels.triton_codec import _store_from_f32
-from hilore_verl.kernels.triton_check import same_bits
+from hilore_verl.kernels.triton_guard import same_bits
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1, set by conftest)")
@@ -292,10 +292,10 @@ class _NoLauncher:
 
 @pytest.fixture
 def fresh_status(monkeypatch):
-    from hilore_verl.kernels import triton_check
+    from hilore_verl.kernels import triton_guard
 
-    monkeypatch.setattr(triton_check, "_STATUS", {})
-    return triton_check
+    monkeypatch.setattr(triton_guard, "_STATUS", {})
+    return triton_guard
 
 
 def _warnings(caplog):
@@ -303,19 +303,19 @@ def _warnings(caplog):
 
 
 def test_the_launch_check_passes_here_and_is_cached(fresh_status):
-    triton_check = fresh_status
-    assert triton_check.triton_status(DEVICE) == (True, "")
-    assert list(triton_check._STATUS) == [triton_check._key(DEVICE)] and triton_check.triton_status(DEVICE)[0]
-    assert triton_check.bitwise_check(DEVICE) == (True, "")
+    triton_guard = fresh_status
+    assert triton_guard.triton_status(DEVICE) == (True, "")
+    assert list(triton_guard._STATUS) == [triton_guard._key(DEVICE)] and triton_guard.triton_status(DEVICE)[0]
+    assert triton_guard.bitwise_check(DEVICE) == (True, "")
 
 
 def test_no_launcher_falls_back_to_the_reference_with_one_warning_naming_the_compiler(fresh_status, monkeypatch,
                                                                                       caplog):
     from hilore_verl.kernels import triton_codec
 
-    triton_check = fresh_status
+    triton_guard = fresh_status
     monkeypatch.delenv("CC", raising=False)  # and no gcc, clang or cc on PATH
-    monkeypatch.setattr(triton_check.shutil, "which", lambda name: None)
+    monkeypatch.setattr(triton_guard.shutil, "which", lambda name: None)
     for name in KERNELS:
         monkeypatch.setattr(triton_codec, name, _NoLauncher(RuntimeError(NO_COMPILER)))
     x = _x((37, 128), torch.bfloat16)
@@ -323,9 +323,9 @@ def test_no_launcher_falls_back_to_the_reference_with_one_warning_naming_the_com
         for fmt in FORMATS:
             for stochastic in (False, True):
                 ref = reference.quantize(x.cpu(), fmt, 64, stochastic, seed=3)
-                out = triton_check.quantize(x, fmt, 64, stochastic, seed=3)
-                _assert_same(out, ref, triton_check.dequantize(out), fmt)
-    ok, reason = triton_check.triton_status(DEVICE)
+                out = triton_guard.quantize(x, fmt, 64, stochastic, seed=3)
+                _assert_same(out, ref, triton_guard.dequantize(out), fmt)
+    ok, reason = triton_guard.triton_status(DEVICE)
     assert not ok and "Failed to find C compiler" in reason and "missing: a C compiler" in reason, reason
     assert len(_warnings(caplog)) == 1, _warnings(caplog)
     assert reason in _warnings(caplog)[0] and "use the torch reference codec instead" in _warnings(caplog)[0]
@@ -334,58 +334,58 @@ def test_no_launcher_falls_back_to_the_reference_with_one_warning_naming_the_com
 def test_a_launch_failing_after_the_check_passed_falls_back_once(fresh_status, monkeypatch, caplog):
     from hilore_verl.kernels import triton_codec
 
-    triton_check = fresh_status
+    triton_guard = fresh_status
     x = _x((4, 128), torch.float32)
-    assert triton_check.triton_status(DEVICE)[0]
+    assert triton_guard.triton_status(DEVICE)[0]
     monkeypatch.setattr(triton_codec, "_quantize_kernel", _NoLauncher(RuntimeError("a compile error")))
     with caplog.at_level("WARNING", logger="hilore_verl"):
         for _ in range(3):
-            out = triton_check.quantize(x, "fp8", 32)
+            out = triton_guard.quantize(x, "fp8", 32)
             assert same_bits(out.codes.cpu(), reference.quantize(x.cpu(), "fp8", 32).codes)
     assert len(_warnings(caplog)) == 1 and "a compile error" in _warnings(caplog)[0]
-    assert not triton_check.triton_status(DEVICE)[0]
+    assert not triton_guard.triton_status(DEVICE)[0]
 
 
 def test_out_of_memory_is_raised_not_taken_for_a_missing_launcher(fresh_status, monkeypatch):
     from hilore_verl.kernels import triton_codec
 
-    triton_check = fresh_status
+    triton_guard = fresh_status
     x = _x((4, 128), torch.float32)
-    assert triton_check.triton_status(DEVICE)[0]
+    assert triton_guard.triton_status(DEVICE)[0]
     monkeypatch.setattr(triton_codec, "_quantize_kernel", _NoLauncher(torch.OutOfMemoryError("out of memory")))
     with pytest.raises(torch.OutOfMemoryError):  # the runtime's retry handles it; the kernels stay in use
-        triton_check.quantize(x, "int8", 64)
-    assert triton_check.triton_status(DEVICE) == (True, "")
+        triton_guard.quantize(x, "int8", 64)
+    assert triton_guard.triton_status(DEVICE) == (True, "")
 
 
 def test_the_reason_names_each_missing_piece(fresh_status, monkeypatch, tmp_path):
-    triton_check = fresh_status
-    monkeypatch.setattr(triton_check.sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
-    monkeypatch.setattr(triton_check, "_libcuda_dirs", lambda: (_ for _ in ()).throw(AssertionError("libcuda.so")))
-    monkeypatch.setattr(triton_check.ctypes.util, "find_library", lambda name: None)
+    triton_guard = fresh_status
+    monkeypatch.setattr(triton_guard.sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
+    monkeypatch.setattr(triton_guard, "_libcuda_dirs", lambda: (_ for _ in ()).throw(AssertionError("libcuda.so")))
+    monkeypatch.setattr(triton_guard.ctypes.util, "find_library", lambda name: None)
     monkeypatch.delenv("CC", raising=False)  # and no gcc, clang or cc on PATH
-    monkeypatch.setattr(triton_check.shutil, "which", lambda name: None)
-    reason = triton_check.failure_reason("cuda:0", RuntimeError(NO_COMPILER))
+    monkeypatch.setattr(triton_guard.shutil, "which", lambda name: None)
+    reason = triton_guard.failure_reason("cuda:0", RuntimeError(NO_COMPILER))
     assert reason.startswith("Triton cannot launch its kernels on cuda:0 (RuntimeError: Failed to find C compiler")
     assert "missing: a C compiler (Triton builds its launcher with $CC, gcc or clang)" in reason
     assert f"Python.h (looked in {tmp_path})" in reason and "libcuda.so.1 (the NVIDIA driver library)" in reason
-    fixes = dict(triton_check.missing_pieces())
+    fixes = dict(triton_guard.missing_pieces())
     assert "install gcc or clang, or set CC" in fixes.values() and any("python3-dev" in f for f in fixes.values())
-    monkeypatch.setattr(triton_check.shutil, "which", lambda name: "/usr/bin/cc" if name == "cc" else None)
-    assert "set CC=/usr/bin/cc (Triton looks for $CC, gcc, clang)" in dict(triton_check.missing_pieces()).values()
+    monkeypatch.setattr(triton_guard.shutil, "which", lambda name: "/usr/bin/cc" if name == "cc" else None)
+    assert "set CC=/usr/bin/cc (Triton looks for $CC, gcc, clang)" in dict(triton_guard.missing_pieces()).values()
     monkeypatch.setenv("CC", "no-such-cc")
-    assert "the C compiler CC=no-such-cc (not found)" in dict(triton_check.missing_pieces())
-    monkeypatch.setattr(triton_check.ctypes.util, "find_library", lambda name: "libcuda.so.1")
-    assert any("TRITON_LIBCUDA_PATH" in f for f in dict(triton_check.missing_pieces()).values())
-    monkeypatch.setattr(triton_check.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert "the C compiler CC=no-such-cc (not found)" in dict(triton_guard.missing_pieces())
+    monkeypatch.setattr(triton_guard.ctypes.util, "find_library", lambda name: "libcuda.so.1")
+    assert any("TRITON_LIBCUDA_PATH" in f for f in dict(triton_guard.missing_pieces()).values())
+    monkeypatch.setattr(triton_guard.shutil, "which", lambda name: "/usr/bin/" + name)
     (tmp_path / "Python.h").write_text("")
-    monkeypatch.setattr(triton_check, "_libcuda_dirs", lambda: ["/usr/lib"])
-    assert triton_check.missing_pieces() == []
-    assert triton_check.failure_reason("cuda:0", RuntimeError("boom")) == \
+    monkeypatch.setattr(triton_guard, "_libcuda_dirs", lambda: ["/usr/lib"])
+    assert triton_guard.missing_pieces() == []
+    assert triton_guard.failure_reason("cuda:0", RuntimeError("boom")) == \
         "Triton cannot launch its kernels on cuda:0 (RuntimeError: boom)"
 
 
 def test_a_cpu_device_without_the_interpreter_is_not_a_triton_device(fresh_status, monkeypatch):
-    triton_check = fresh_status
-    monkeypatch.setattr(triton_check, "_interpreted", lambda: False)
-    assert triton_check.triton_status("cpu") == (False, "the Triton kernels run on CUDA devices only, not on cpu")
+    triton_guard = fresh_status
+    monkeypatch.setattr(triton_guard, "_interpreted", lambda: False)
+    assert triton_guard.triton_status("cpu") == (False, "the Triton kernels run on CUDA devices only, not on cpu")

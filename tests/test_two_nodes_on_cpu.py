@@ -52,7 +52,7 @@ finally:
 
 
 def test_tiny_recipe_on_two_nodes(tmp_path):
-    from hilore_verl.tiny_task import make_tiny_task
+    from hilore_verl.tiny.task import make_tiny_task
 
     task = make_tiny_task(str(tmp_path / "task"))
     log = tmp_path / "steps.jsonl"

@@ -18,10 +18,10 @@ import torch.nn as nn
 import hilore_verl
 from hilore_verl import Plan
 from hilore_verl.planner import profile
-from hilore_verl.tiny_models import FAMILIES, build_tiny_model
-from hilore_verl.unit_maps import MAPS, UnitSpec, register_map
-from hilore_verl.workload import make_grpo_batch
-from hilore_verl.workload import response_log_probs
+from hilore_verl.tiny.models import FAMILIES, build_tiny_model
+from hilore_verl.model.unit_maps import MAPS, UnitSpec, register_map
+from hilore_verl.tiny.workload import make_grpo_batch
+from hilore_verl.tiny.workload import response_log_probs
 from tests.harness.models import WORKLOAD, cosine_and_rel_error, policy_gradient_step
 
 PRE_NORM = ["attn.norm", "attn.proj", "attn.core", "mlp.norm", "mlp.proj", "mlp.act"]
@@ -283,7 +283,7 @@ def test_the_analytic_model_saves_what_the_family_saves(family):
     5% (attention's core aside: the analytic model prices a fused kernel's saves). GraniteMoE's router
     runs as its even-split stand-in; Gemma-2's final soft-cap is the head's in both."""
     from hilore_verl.planner.analytic import analytic_costs
-    from hilore_verl.tiny_models import tiny_config
+    from hilore_verl.tiny.models import tiny_config
 
     tokens = 64
     config = tiny_config(family)

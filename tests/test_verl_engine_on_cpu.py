@@ -10,10 +10,10 @@ differs between sharded/packed micro-batches and the whole padded batch, so bitw
 import pytest
 import torch
 
-from hilore_verl.tiny_models import build_tiny_model, save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, shard
+from hilore_verl.tiny.models import build_tiny_model, save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, shard
 from tests.harness.distributed import run_on_ranks
-from hilore_verl.workload import response_log_probs
+from hilore_verl.tiny.workload import response_log_probs
 from tests.harness.reference import ppo_clip_loss
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=12, max_response_len=16, zero_advantage_share=0.5)

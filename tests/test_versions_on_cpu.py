@@ -7,7 +7,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from hilore_verl.versions import SUPPORTED, UnsupportedVersionError, require_supported_versions, version_problems
+from hilore_verl.validation.versions import SUPPORTED, UnsupportedVersionError, require_supported_versions, version_problems
 from tests.harness.subprocess import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,11 +44,11 @@ def test_pyproject_declares_the_supported_ranges():
 
 
 def test_importing_the_integration_with_unsupported_verl_fails_at_import():
-    code = ("import hilore_verl.versions as v\n"
+    code = ("import hilore_verl.validation.versions as v\n"
             "v.installed_version = lambda p: '0.8.2' if p == 'verl' else v.metadata.version(p)\n"
             "import hilore_verl.integration\n")
     proc = run_python(code)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()
-    assert any(line.startswith("hilore_verl.versions.UnsupportedVersionError") for line in last)
+    assert any(line.startswith("hilore_verl.validation.versions.UnsupportedVersionError") for line in last)
     assert "verl: 0.8.2 is installed; hilore-verl supports verl>=0.9.1,<0.10" in proc.stderr

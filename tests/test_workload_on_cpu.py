@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hilore_verl.workload import GRPOWorkload, grpo_advantages, make_grpo_batch, pack, shard
+from hilore_verl.tiny.workload import GRPOWorkload, grpo_advantages, make_grpo_batch, pack, shard
 
 W = GRPOWorkload(num_groups=8, group_size=8, max_prompt_len=20, max_response_len=64, zero_advantage_share=0.625)
 

@@ -25,8 +25,8 @@ import torch
 
 from hilore_verl.shared_prompt import (ATTENTION_NAME, LAYOUT_KWARG, SharedLayout, ShareRule, install,
                                        shared_layout, shared_token_count)
-from hilore_verl.tiny_models import build_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.models import build_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 
 
 MAX_PADDING_SHARE = 0.20  # of the batch's token positions
@@ -256,7 +256,7 @@ def coefficients(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def indexed_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N,) log-probabilities of the response tokens, read at `logit_index` of the flattened logits (the
-    vocabulary-sized part of the step; hilore_verl.workload.response_log_probs reads verl's padded rows)."""
+    vocabulary-sized part of the step; hilore_verl.tiny.workload.response_log_probs reads verl's padded rows)."""
     rows = logits.reshape(-1, logits.shape[-1])[batch["logit_index"]]
     return torch.log_softmax(rows.float(), dim=-1).gather(-1, batch["targets"][:, None]).squeeze(-1)
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hilore_verl import skip
+from hilore_verl.loss import skip
 from hilore_verl.bench.actor_update import (BenchConfig, forward_context, head_rows, layer_tokens, loss_of, probe_batch,
                                         tokens_of)
 from hilore_verl.planner import Tokens
-from hilore_verl.host import SingleProcess
+from hilore_verl.training.host import SingleProcess
 
 
 @dataclass

@@ -28,7 +28,7 @@ import hilore_verl
 from hilore_verl.bench.method import Method
 from hilore_verl.bench.session_passes import SessionMethod
 from hilore_verl.bench.actor_update import SHARE_ATTRIBUTE, BenchConfig, build_model, make_optimizer
-from hilore_verl.config import HiLoReConfig
+from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.kernels import dequantize, quantize
 from hilore_verl.planner import BudgetConfig
 from hilore_verl.shared_prompt import install as install_shared_attention

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from hilore_verl.host_memory import status_kib
+from hilore_verl.measure.host_memory import status_kib
 
 FIRST_STEP = "--first-step"
 
@@ -78,7 +78,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
         peak = _status_kib("VmHWM")
     tensors = None
     if not cuda:  # one more step with the allocator's events followed: the bytes tensors held at most
-        from hilore_verl.peak_memory import allocations
+        from hilore_verl.measure.peak_memory import allocations
 
         alive = state_bytes(built.model, built.optimizer)
         tensors = (alive + allocations(lambda: built.step(batch)).peak) // 1024

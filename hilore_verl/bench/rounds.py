@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable
 
-from hilore_verl.intervals import mean_ci, t975
+from hilore_verl.measure.intervals import mean_ci, t975
 from hilore_verl.planner.arms import LONG_TRIALS
 
 LOG_EVERY_S = 10.0  # a progress line per round for the first rounds, then at most one per this many seconds

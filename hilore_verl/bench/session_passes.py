@@ -19,13 +19,13 @@ import time
 import torch
 
 import hilore_verl
-from hilore_verl import host_memory
+from hilore_verl.measure import host_memory
 from hilore_verl.bench.method import Method, sync
 from hilore_verl.bench.actor_update import (SHARE_ATTRIBUTE, BenchConfig, build_model, forward_context, head_rows,
                                         layer_tokens, loss_of, make_optimizer, probe_batch, static_bytes, tokens_of)
-from hilore_verl.config import HiLoReConfig
+from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.runtime import RECOMPUTE, UnitPlan
-from hilore_verl.session import Session
+from hilore_verl.training.session import Session
 from hilore_verl.shared_prompt import install as install_shared_attention
 
 

@@ -3,7 +3,7 @@
 `Context` says where a stage runs (device, tiny sizes, output folder); `StageReport` records its checks
 (pass / fail with a detail line) and figures, rewriting its JSON file after every record so that what
 was measured survives a stage killed at its time limit. The stages (stages.py, shared.py, model.py,
-profiling.py) import this module; stage.py, which runs them, imports them: no circle.
+profile_stage.py) import this module; stage.py, which runs them, imports them: no circle.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class StageReport:
 
 def tiny_policy(ctx: Context):
     """A Qwen2-shaped policy with random weights (bf16 on CUDA), tiny on the CPU; and its vocabulary size."""
-    from hilore_verl.tiny_models import build_tiny_model
+    from hilore_verl.tiny.models import build_tiny_model
 
     size = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, vocab_size=512) if ctx.tiny else \

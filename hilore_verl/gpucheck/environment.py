@@ -16,7 +16,7 @@ from importlib import metadata
 import torch
 
 from hilore_verl.gpucheck.context import Context, StageReport
-from hilore_verl.kernels import reference, triton_check, triton_codec
+from hilore_verl.kernels import reference, triton_guard, triton_codec
 
 PACKAGES = ("torch", "triton", "transformers", "numpy", "verl", "ray")
 
@@ -32,7 +32,7 @@ def _version(name: str) -> str | None:
 def environment(report: StageReport, ctx: Context) -> None:
     report.figure("versions", {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES},
                                "torch_cuda": torch.version.cuda, "hilore_verl": _hilore_version()})
-    missing = [f"{what} ({fix})" for what, fix in triton_check.missing_pieces()]
+    missing = [f"{what} ({fix})" for what, fix in triton_guard.missing_pieces()]
     if ctx.device == "cuda":
         available = torch.cuda.is_available()
         report.figure("cuda_available", available)
@@ -57,11 +57,11 @@ def environment(report: StageReport, ctx: Context) -> None:
         q = triton_codec.quantize(x, "int8", 64)
         y = triton_codec.dequantize(q)
     except Exception as err:
-        report.check("one Triton launch (quantize + dequantize)", False, triton_check.failure_reason(device, err))
+        report.check("one Triton launch (quantize + dequantize)", False, triton_guard.failure_reason(device, err))
         return
     launch_s = time.perf_counter() - start
     report.figure("triton_first_launch_s", round(launch_s, 3))
-    same, why = triton_check.compare(reference.quantize(x.cpu(), "int8", 64), q, y, "int8 bf16 64 x 256")
+    same, why = triton_guard.compare(reference.quantize(x.cpu(), "int8", 64), q, y, "int8 bf16 64 x 256")
     report.check("one Triton launch (quantize + dequantize)", same,
                  why or f"bitwise the reference; first launch {launch_s:.2f} s (compilation)")
     if not ctx.tiny:  # what a cold compile costs here: the later stages' limits follow it (limits.py)

@@ -27,7 +27,7 @@ import torch
 
 from hilore_verl.gpucheck import process
 from hilore_verl.gpucheck.context import Context, StageReport
-from hilore_verl.host_memory import peak_resident_bytes, resident_bytes
+from hilore_verl.measure.host_memory import peak_resident_bytes, resident_bytes
 
 SESSIONS = {"keep_recompute": ("gc_ratio", 1.10, 0.0), "hilore": ("gc_ratio", 1.10, 0.01),
             "hilore_shared": ("gc_ratio", 1.10, 0.01), "hilore_auto": ("auto", 2.0, 0.01)}
@@ -88,7 +88,7 @@ def measure(method: str, config: dict, steps: int) -> dict:
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.session_passes import SessionMethod
     from hilore_verl.bench.actor_update import BenchConfig, make_batch, tokens_of
-    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.training.config import HiLoReConfig
     from hilore_verl.kernels import warm_up
     from hilore_verl.planner import BudgetConfig
 

@@ -43,7 +43,7 @@ def profile_stage(report: StageReport, ctx: Context) -> None:
 
     from hilore_verl.bench.session_passes import SessionMethod
     from hilore_verl.bench.actor_update import BenchConfig, make_batch
-    from hilore_verl.config import HiLoReConfig
+    from hilore_verl.training.config import HiLoReConfig
 
     bench = BenchConfig(**_workload(ctx))
     batch = make_batch(bench)

@@ -12,14 +12,14 @@ import os
 import sys
 import traceback
 
-from hilore_verl.gpucheck import environment, model, profiling, shared, stages
+from hilore_verl.gpucheck import environment, model, profile_stage, shared, stages
 from hilore_verl.gpucheck.context import Context, StageReport
 
 
 def _stages():
     return {"environment": environment.environment, "codecs": stages.codecs, "runtime": stages.runtime,
             "shared_prompt": shared.shared_prompt_stage, "model": model.model_stage,
-            "profile": profiling.profile_stage}
+            "profile": profile_stage.profile_stage}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from hilore_verl.gpucheck.context import Context, StageReport, cosine, tiny_policy
-from hilore_verl.kernels import FORMATS, reference, triton_check, triton_codec
+from hilore_verl.kernels import FORMATS, reference, triton_guard, triton_codec
 
 MIB = 2**20
 
@@ -65,7 +65,7 @@ def codecs(report: StageReport, ctx: Context) -> None:
                     try:
                         q = triton_codec.quantize(x, fmt, group, stochastic, seed)
                         r = reference.quantize(base, fmt, group, stochastic, seed)
-                        ok, _ = triton_check.compare(r, q, triton_codec.dequantize(r.to(device)), label)
+                        ok, _ = triton_guard.compare(r, q, triton_codec.dequantize(r.to(device)), label)
                     except Exception as err:
                         ok, label = False, f"{label}: {type(err).__name__}: {str(err)[:120]}"
                     if not ok:

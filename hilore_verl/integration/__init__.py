@@ -17,7 +17,7 @@ Importing it checks the installed verl and torch against the supported ranges fi
 unsupported combination fails here with the ranges named, not deep inside verl.
 """
 
-from hilore_verl.versions import SUPPORTED, UnsupportedVersionError, require_supported_versions
+from hilore_verl.validation.versions import SUPPORTED, UnsupportedVersionError, require_supported_versions
 
 require_supported_versions()
 

@@ -5,7 +5,7 @@
 
 Formats are specified once, in `kernels.formats`. Dispatch by device: Triton kernels for CUDA
 tensors, or the torch reference on a device where Triton cannot launch (`triton_status`, checked
-once per device by `kernels.triton_check`, one warning naming what is missing). CPU tensors go to
+once per device by `kernels.triton_guard`, one warning naming what is missing). CPU tensors go to
 the codec HILORE_VERL_CPU_CODEC names:
 
     native     (default) `kernels.cpu_native`: a small C++ library built once per machine with its
@@ -88,17 +88,17 @@ def _cpu_module():
 def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochastic: bool = False,
              seed: int = 0) -> QuantizedTensor:
     if x.is_cuda:
-        from hilore_verl.kernels import triton_check
+        from hilore_verl.kernels import triton_guard
 
-        return triton_check.quantize(x, fmt, group_size, stochastic, seed)
+        return triton_guard.quantize(x, fmt, group_size, stochastic, seed)
     return _cpu_module().quantize(x, fmt, group_size, stochastic, seed)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
     if q.codes.is_cuda:
-        from hilore_verl.kernels import triton_check
+        from hilore_verl.kernels import triton_guard
 
-        return triton_check.dequantize(q)
+        return triton_guard.dequantize(q)
     return _cpu_module().dequantize(q)
 
 
@@ -106,10 +106,10 @@ def triton_status(device: torch.device | str) -> tuple[bool, str]:
     """(ok, reason): whether the Triton codec kernels run on `device` (a CUDA device); where not, its
     compressed tensors use the torch reference there and `reason` names what is missing (a C
     compiler, Python.h, libcuda). Checked once per device by a tiny launch compared bit for bit
-    with the reference; see `kernels.triton_check.triton_status`. For the engine's start-up line."""
-    from hilore_verl.kernels import triton_check
+    with the reference; see `kernels.triton_guard.triton_status`. For the engine's start-up line."""
+    from hilore_verl.kernels import triton_guard
 
-    return triton_check.triton_status(device)
+    return triton_guard.triton_status(device)
 
 
 def warm_up(device: torch.device | str = "cpu") -> None:

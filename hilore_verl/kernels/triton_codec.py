@@ -30,7 +30,7 @@ RUNTIME_INTS = ("R", "R0", "G0", "smix")
 
 class LaunchError(RuntimeError):
     """A kernel could not be compiled or launched (e.g. Triton's launcher could not be built: no C
-    compiler, no Python.h, no libcuda). The call's outputs are dropped; `triton_check` runs the
+    compiler, no Python.h, no libcuda). The call's outputs are dropped; `triton_guard` runs the
     reference instead."""
 
 

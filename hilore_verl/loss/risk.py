@@ -2,7 +2,7 @@
 
     risk(unit, mode, micro-batch) = sensitivity[unit] * codec_error(mode) * exposure_l2(micro-batch)
 
-`exposure_l2` = sqrt(sum_t c_t^2) over the micro-batch's tokens (hilore_verl.exposure): a unit's
+`exposure_l2` = sqrt(sum_t c_t^2) over the micro-batch's tokens (hilore_verl.loss.exposure): a unit's
 per-element codec error e reaches the gradient sum_t c_t grad log p_t through every token, as
 independent errors, so its effect grows with the L2 norm of c. Units' errors add in quadrature:
 
@@ -27,7 +27,7 @@ import torch
 
 from hilore_verl.kernels import FORMATS, reference
 from hilore_verl.runtime.plan import RECOMPUTE, Mode, UnitPlan
-from hilore_verl.units import representatives, name_in_layer
+from hilore_verl.model.units import representatives, name_in_layer
 
 PlanLike = Mapping[str, Union[str, UnitPlan]]
 

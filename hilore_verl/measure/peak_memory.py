@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from hilore_verl import host_memory
+from hilore_verl.measure import host_memory
 
 CLEAR_REFS = "/proc/self/clear_refs"
 AUTOGRAD_ENGINE = "autograd::engine::"  # the profiler's name for the backward's nodes

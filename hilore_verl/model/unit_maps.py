@@ -183,8 +183,8 @@ def resolve_block(block: nn.Module, specs: list[UnitSpec], where: str, source: s
         raise ValueError(
             f"hilore-verl cannot map decoder block {type(block).__name__} at {where} completely with {source}: "
             f"{'; '.join(problems)}. Its children: {_children(block)}. Nothing was attached and HF gradient "
-            "checkpointing is unchanged. Declare the family's map with hilore_verl.unit_maps.register_map("
-            "model_type, [UnitSpec(name, kind, paths), ...]) (see MAPS in hilore_verl/unit_maps.py for examples).")
+            "checkpointing is unchanged. Declare the family's map with hilore_verl.model.unit_maps.register_map("
+            "model_type, [UnitSpec(name, kind, paths), ...]) (see MAPS in hilore_verl/model/unit_maps.py for examples).")
     return found
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from hilore_verl.unit_maps import KINDS, guess_map, map_for, resolve_block  # noqa: F401  (KINDS: re-exported)
+from hilore_verl.model.unit_maps import KINDS, guess_map, map_for, resolve_block  # noqa: F401  (KINDS: re-exported)
 
 
 @dataclass(eq=False)

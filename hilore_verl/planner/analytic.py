@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 import hilore_verl
 from hilore_verl.planner.costs import CostTable, UnitProfile, payload_ratio  # noqa: F401
-from hilore_verl.units import RecoveryUnit
+from hilore_verl.model.units import RecoveryUnit
 
 
 def _meta_forward(model: nn.Module, runtime, tokens: int, dtype: torch.dtype) -> None:
@@ -98,7 +98,7 @@ def _weights(unit: RecoveryUnit) -> int:
 
 def active_parameters(model: nn.Module) -> int:
     """Parameters one token runs through: every parameter, less the routed experts it is not sent to."""
-    from hilore_verl.units import find_units
+    from hilore_verl.model.units import find_units
 
     total = sum(p.numel() for p in model.parameters())
     routing = moe_routing(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)

@@ -61,7 +61,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from hilore_verl.intervals import mean_ci
+from hilore_verl.measure.intervals import mean_ci
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hilore_verl import checks
+from hilore_verl.validation import checks
 
 MODES = ("gc_ratio", "gib", "auto")
 GIB = 2**30

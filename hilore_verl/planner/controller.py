@@ -52,7 +52,7 @@ from hilore_verl.planner.peak_feedback import PeakFeedback
 from hilore_verl.planner.search import PlanSearch
 from hilore_verl.planner.solver import Infeasible
 from hilore_verl.planner.spent import Exact, SpentRisk
-from hilore_verl.risk import AuditResult, GradientAudit, RiskModel
+from hilore_verl.loss.risk import AuditResult, GradientAudit, RiskModel
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime, UnitPlan
 
 

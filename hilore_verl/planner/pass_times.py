@@ -12,7 +12,7 @@ from typing import Callable
 
 from hilore_verl.planner.costs import CostTable
 from hilore_verl.runtime import KEEP, Runtime, UnitPlan
-from hilore_verl.timing import DeviceClock
+from hilore_verl.measure.timing import DeviceClock
 
 
 def keep_pass_seconds(table: CostTable, tokens: int, measured: float, under: dict[str, UnitPlan]) -> float:

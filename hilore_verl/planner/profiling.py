@@ -44,15 +44,15 @@ from typing import Callable
 import torch
 
 from hilore_verl.kernels import payload_ratio
-from hilore_verl.peak_memory import Allocations, allocations
+from hilore_verl.measure.peak_memory import Allocations, allocations
 from hilore_verl.planner.bandwidth import bandwidths
 from hilore_verl.planner.costs import CostTable, UnitProfile, in_layers
 from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share
 from hilore_verl.planner.pass_times import keep_pass_seconds, runtime_overhead
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
-from hilore_verl.units import RecoveryUnit, name_in_layer
-from hilore_verl.timing import DeviceClock
+from hilore_verl.model.units import RecoveryUnit, name_in_layer
+from hilore_verl.measure.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
 QUADRATIC_KINDS = ("attn_core",)  # units whose figures may grow with tokens squared (dense attention)
@@ -314,7 +314,7 @@ def _check_every_unit_ran(runtime: Runtime, times: dict[str, float]) -> None:
         blocks = sorted({type(u.block).__name__ for u in runtime.units if u.name in never and u.block is not None})
         raise ValueError(f"hilore-verl: units {', '.join(never[:6])}{' ...' if len(never) > 6 else ''} never ran in "
                          f"the training forward: the unit map of {', '.join(blocks) or 'the head'} names modules "
-                         "this model does not call (see hilore_verl/unit_maps.py)")
+                         "this model does not call (see hilore_verl/model/unit_maps.py)")
 
 
 def _unit_profiles(probes: _Probes, stats: _ProbeStats, element_size: int) -> list[UnitProfile]:

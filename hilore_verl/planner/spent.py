@@ -17,7 +17,7 @@ from typing import Callable, Union
 
 import torch
 
-from hilore_verl.exposure import read_floats
+from hilore_verl.loss.exposure import read_floats
 
 Exact = Union[float, torch.Tensor, Callable[[], Union[float, torch.Tensor]]]  # an exact exposure, maybe not read yet
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from hilore_verl import checks
+from hilore_verl.validation import checks
 from hilore_verl.planner.costs import CostTable, UnitProfile
-from hilore_verl.risk import RiskModel
+from hilore_verl.loss.risk import RiskModel
 
 STATE_FORMAT = "hilore-verl/controller-state"
 STATE_VERSION = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hilore_verl import checks
+from hilore_verl.validation import checks
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from hilore_verl.runtime.plan import Mode, UnitPlan
 from hilore_verl.runtime.records import CallRecord, LiveKeyMap, Region, storage_id
 from hilore_verl.runtime.stats import StepStats
-from hilore_verl.units import RecoveryUnit
+from hilore_verl.model.units import RecoveryUnit
 
 
 @dataclass

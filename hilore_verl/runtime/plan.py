@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
-from hilore_verl import checks
+from hilore_verl.validation import checks
 from hilore_verl.kernels import FORMATS, GROUP_SIZES
 
 

@@ -35,7 +35,7 @@ from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_st
 from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors, tensor_leaves
 from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensors, is_parameter_like, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
-from hilore_verl.units import RecoveryUnit, find_units
+from hilore_verl.model.units import RecoveryUnit, find_units
 
 
 class Runtime:

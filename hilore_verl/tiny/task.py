@@ -8,7 +8,7 @@
     .tiny_cpu/val.parquet     ability, reward_model.ground_truth, extra_info)
 
 The task: a prompt of digits, `3 1 1 2 =`; the answer is the first digit. The reward is
-`compute_score` (verl's custom reward function: `pkg://hilore_verl.tiny_task`): 1 when the
+`compute_score` (verl's custom reward function: `pkg://hilore_verl.tiny.task`): 1 when the
 response starts with that digit, else 0. Prompts draw from three digits (`PROMPT_DIGITS`) out of
 the ten in the vocabulary: a random policy scores about 1 in 16; one that learned to answer with
 those three scores 1 in 3 (GRPO finds that within a few steps), and copying reaches 1.
@@ -89,7 +89,7 @@ def make_tiny_task(root: str = ".tiny_cpu", n_train: int = 512, n_val: int = 64,
     there); returns root."""
     import pandas as pd
 
-    from hilore_verl.tiny_models import save_tiny_model
+    from hilore_verl.tiny.models import save_tiny_model
 
     if shape not in SHAPES:
         raise ValueError(f"unknown task shape {shape!r}; valid: {', '.join(SHAPES)}")

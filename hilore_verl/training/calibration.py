@@ -15,12 +15,12 @@ import math
 
 import torch
 
-from hilore_verl.config import HiLoReConfig
-from hilore_verl.exposure import read_floats
+from hilore_verl.training.config import HiLoReConfig
+from hilore_verl.loss.exposure import read_floats
 from hilore_verl.planner import profile
 from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
 from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
-from hilore_verl.risk import RiskModel, calibrate_by_group
+from hilore_verl.loss.risk import RiskModel, calibrate_by_group
 from hilore_verl.runtime import RECOMPUTE, Runtime, UnitPlan
 
 HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's second probe

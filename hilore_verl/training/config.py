@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from hilore_verl import checks
+from hilore_verl.validation import checks
 from hilore_verl.kernels import FORMATS, GROUP_SIZES
 from hilore_verl.planner.budget import MODES, BudgetConfig
 from hilore_verl.runtime import RuntimeConfig

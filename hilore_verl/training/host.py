@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from hilore_verl.risk import Gradient
+from hilore_verl.loss.risk import Gradient
 from hilore_verl.runtime import UnitPlan
 
 

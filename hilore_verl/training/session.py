@@ -32,17 +32,17 @@ from typing import Any, Callable
 
 import torch
 
-from hilore_verl import calibration
-from hilore_verl.config import HiLoReConfig
-from hilore_verl.exposure import read_floats
-from hilore_verl.host import Collectives, Passes, SingleProcess
-from hilore_verl.peak_memory import PeakMeter
+from hilore_verl.training import calibration
+from hilore_verl.training.config import HiLoReConfig
+from hilore_verl.loss.exposure import read_floats
+from hilore_verl.training.host import Collectives, Passes, SingleProcess
+from hilore_verl.measure.peak_memory import PeakMeter
 from hilore_verl.planner import Controller
 from hilore_verl.planner.state import costs_of, risk_of
-from hilore_verl.recovery import StepFailed, StepSnapshot, StepStart
-from hilore_verl.risk import GradientAudit
+from hilore_verl.training.snapshots import StepFailed, StepSnapshot, StepStart
+from hilore_verl.loss.risk import GradientAudit
 from hilore_verl.runtime import KEEP, RECOMPUTE, Runtime
-from hilore_verl.timing import DeviceClock
+from hilore_verl.measure.timing import DeviceClock
 
 logger = logging.getLogger("hilore_verl")
 

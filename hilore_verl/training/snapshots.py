@@ -25,8 +25,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from hilore_verl import staged_copy
-from hilore_verl.staged_copy import StagedCopy
+from hilore_verl.training import staged_copy
+from hilore_verl.training.staged_copy import StagedCopy
 
 logger = logging.getLogger("hilore_verl")
 

@@ -1,6 +1,6 @@
 """Copies of device tensors into pageable host memory through a small pinned ring, off the training thread.
 
-The optimizer step's undo copy (recovery.StepSnapshot) is 12 bytes per parameter of the rank's shard
+The optimizer step's undo copy (snapshots.StepSnapshot) is 12 bytes per parameter of the rank's shard
 (fp32 parameter and two Adam moments): 10.5 GB per rank for Qwen2.5-7B on 8 GPUs. Held pinned, that is
 84 GB of page-locked memory per node beside verl's own offload (and torch's pinned allocator rounds each
 block up to a power of two). Here the copies land in pageable buffers of exactly their size, through a

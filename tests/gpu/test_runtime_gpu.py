@@ -12,7 +12,7 @@ import torch
 
 import hilore_verl
 from hilore_verl import Mode, Plan, UnitPlan
-from hilore_verl.tiny_models import build_tiny_model
+from hilore_verl.tiny.models import build_tiny_model
 from tests.harness.models import cosine_and_rel_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch, response_log_probs
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch, response_log_probs
 
 WORKLOAD = GRPOWorkload(num_groups=2, group_size=4, max_prompt_len=24, max_response_len=72)
 

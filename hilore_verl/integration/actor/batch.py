@@ -7,6 +7,7 @@ loss coefficients c_t (what verl's loss multiplies each log-prob's gradient by) 
 
     padded(data, "advantages")              # [B, T] (nested: padded with zeros)
     sequence_lengths(data)                  # tokens per sequence
+    zero_exposure(data)                     # per sequence: no advantage anywhere; and its tokens
     terms = LossTerms(vocab)                # vocab(): the model's vocabulary size (the entropy bound)
     terms.actor_config = config             # verl's actor config (the engine's, or the bound ppo_loss's)
     terms.check(data)                       # the mini-batch's loss inputs, once (nan / inf, negative weights)
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from hilore_verl import exposure
+from hilore_verl.loss import exposure
 from hilore_verl.integration.actor.loss import actor_exposure, loss_coefficients
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -45,6 +46,15 @@ def sequence_lengths_tensor(data) -> torch.Tensor:
 
 def sequence_lengths(data) -> list[int]:
     return sequence_lengths_tensor(data).tolist()
+
+
+def zero_exposure(data) -> tuple[list[bool], list[int]]:
+    """Per sequence: no advantage on any response token, and its tokens (read together, in one transfer)."""
+    advantages, mask = padded(data, "advantages"), padded(data, "response_mask").bool()
+    moved = ((advantages != 0) & mask).any(-1)
+    lengths = torch.as_tensor(sequence_lengths_tensor(data), device=moved.device)
+    both = torch.stack([moved.to(torch.long), lengths.to(torch.long)]).tolist()
+    return [not m for m in both[0]], both[1]
 
 
 def vocab_size(model_config, module) -> int | None:
@@ -108,4 +118,4 @@ class LossTerms:
         return exact
 
 
-__all__ = ["LossTerms", "padded", "sequence_lengths", "sequence_lengths_tensor", "vocab_size"]
+__all__ = ["LossTerms", "padded", "sequence_lengths", "sequence_lengths_tensor", "vocab_size", "zero_exposure"]

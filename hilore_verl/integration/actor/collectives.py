@@ -228,7 +228,7 @@ def _abort() -> None:
 
 def collectives_for(group, fault_timeout_s: float):
     """DataParallel over `group` when torch.distributed is initialised, else one process."""
-    from hilore_verl.host import SingleProcess
+    from hilore_verl.training.host import SingleProcess
 
     if not (dist.is_available() and dist.is_initialized()):
         return SingleProcess()

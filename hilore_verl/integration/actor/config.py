@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from hilore_verl.config import HiLoReConfig
+from hilore_verl.training.config import HiLoReConfig
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig
 
 logger = logging.getLogger("hilore_verl")

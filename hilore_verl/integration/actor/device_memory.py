@@ -19,7 +19,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hilore_verl import host_memory
+from hilore_verl.measure import host_memory
 from hilore_verl.integration.actor.collectives import all_reduce_on_host, host_group
 
 

@@ -32,19 +32,19 @@ import torch
 import torch.distributed as dist
 
 import hilore_verl
-from hilore_verl import skip
-from hilore_verl.config import HiLoReConfig
+from hilore_verl.loss import skip
+from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.integration.actor.collectives import collectives_for
 from hilore_verl.integration.actor.compile_workers import limit_compile_workers
 from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.actor.device_memory import compute_device
-from hilore_verl.integration.actor.batch import LossTerms, padded, sequence_lengths_tensor, vocab_size
+from hilore_verl.integration.actor.batch import LossTerms, vocab_size, zero_exposure
 from hilore_verl.integration.actor.passes import VerlPasses
 from hilore_verl.integration.actor.loss import batch_skip_refusal, skip_refusal
 from hilore_verl.integration.actor.shared_check import self_check
 from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
-from hilore_verl.recovery import StepSnapshot
-from hilore_verl.session import Session
+from hilore_verl.training.snapshots import StepSnapshot
+from hilore_verl.training.session import Session
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 from verl.utils.seqlen_balancing import rearrange_micro_batches
@@ -57,7 +57,7 @@ logger = logging.getLogger("hilore_verl")
 
 def check_codec_device(config: HiLoReConfig, device: torch.device) -> bool:
     """At start-up, not at the first compressed tensor: can Triton launch its codecs on `device`? When it
-    cannot, `kernels.triton_status` logs one line naming what is missing (C compiler, Python.h, libcuda)
+    cannot, `kernels.triton_guard` logs one line naming what is missing (C compiler, Python.h, libcuda)
     and the torch reference codec runs on the device instead. True when nothing is in the way."""
     if device.type != "cuda" or config.risk_budget <= 0:  # no Triton there, or nothing will be compressed
         return True
@@ -195,7 +195,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
         layout = None
         if self._skips(data, loss_function):
-            zero, lengths = self._zero_exposure(data)
+            zero, lengths = zero_exposure(data)
             layout = skip.form(zero, lengths, lambda kept, at_least: self._split_kept(data, kept, at_least),
                                self.session.collectives)
             if layout.micro_batches is not None:
@@ -217,14 +217,6 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             self._refusals.add(reason)
             logger.warning("hilore-verl: hilore.skip_zero_exposure is on, but every sequence is trained: %s", reason)
         return reason is None
-
-    def _zero_exposure(self, data) -> tuple[list[bool], list[int]]:
-        """Per sequence: no advantage on any response token (read with the token counts, in one transfer)."""
-        advantages, mask = padded(data, "advantages"), padded(data, "response_mask").bool()
-        moved = ((advantages != 0) & mask).any(-1)
-        lengths = torch.as_tensor(sequence_lengths_tensor(data), device=moved.device)
-        both = torch.stack([moved.to(torch.long), lengths.to(torch.long)]).tolist()
-        return [not m for m in both[0]], both[1]
 
     def _split_kept(self, data, kept: list[int], at_least: int) -> list[list[int]]:
         """verl's split of the sequences `kept` on this rank alone, into at least `at_least` micro-batches

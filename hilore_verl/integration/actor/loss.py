@@ -4,7 +4,7 @@ verl's `ppo_loss` is called as the engine calls it, on a synthetic no-padding la
 its response slice is exactly `log_prob`; autograd with respect to that tensor alone gives c. No
 model runs. Every registered policy-loss mode, aggregation mode, KL type and IS-weight setting is
 therefore covered as verl defines it, including modes added later. The entropy bonus is not part
-of c: it depends on the logits (see `hilore_verl.exposure`).
+of c: it depends on the logits (see `hilore_verl.loss.exposure`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from hilore_verl import exposure
-from hilore_verl.exposure import check_inputs, padded
+from hilore_verl.loss import exposure
+from hilore_verl.loss.exposure import check_inputs, padded
 
 
 def policy_loss_modes() -> list[str]:

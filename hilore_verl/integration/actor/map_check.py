@@ -1,7 +1,7 @@
 """The model's unit map, checked on the driver before Ray starts.
 
 Each worker's engine attaches the runtime after building the model, and `attach` refuses a decoder
-block it cannot map completely (hilore_verl/unit_maps.py). On a multi-node job that is minutes in,
+block it cannot map completely (hilore_verl/model/unit_maps.py). On a multi-node job that is minutes in,
 after Ray, the rollout servers and the weights. verl's `validate_config` runs on the driver before
 `ray.init` and hands the actor its `actor_rollout_ref.model` section, so the same check runs there
 first, on the model built from its config on the meta device (no weights, no memory):
@@ -32,7 +32,7 @@ def check_unit_map(model_config) -> None:
     import torch
     from transformers import AutoConfig
 
-    from hilore_verl.units import find_units
+    from hilore_verl.model.units import find_units
     from verl.utils.import_utils import import_external_libs
     from verl.utils.model import get_hf_auto_model_class
 

@@ -13,7 +13,7 @@ import torch
 
 from hilore_verl.integration.actor.batch import sequence_lengths
 from hilore_verl.integration.actor.device_memory import available_bytes, compute_device
-from hilore_verl.recovery import reset_after_failure
+from hilore_verl.training.snapshots import reset_after_failure
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_torch_device
 from verl.workers.utils.padding import no_padding_2_padding

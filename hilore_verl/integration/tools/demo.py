@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from hilore_verl import host_memory
+from hilore_verl.measure import host_memory
 
 ARMS = {"hilore": "true", "gc": "false"}
 TASKS = {"demo_cpu": ("demo", ".demo_cpu"), "tiny_cpu": ("tiny", ".tiny_cpu")}  # recipe -> task shape, folder
@@ -182,7 +182,7 @@ def recipe_line(config: DemoConfig) -> str:
 def run_demo(config: DemoConfig = DemoConfig(), arms: tuple[str, ...] = ("hilore", "gc"), echo=print):
     """Both arms in turn; returns their DemoResult (demo_report.py)."""
     from hilore_verl.integration.tools.demo_report import DemoResult
-    from hilore_verl.tiny_task import make_tiny_task
+    from hilore_verl.tiny.task import make_tiny_task
 
     bad = [a for a in arms if a not in ARMS]
     if bad:

@@ -13,18 +13,14 @@ import torch.distributed as dist
 
 import hilore_verl.integration  # noqa: F401  (version check first)
 from hilore_verl.integration.tools.launch import free_port
-from hilore_verl.tiny_models import save_tiny_model
-from hilore_verl.workload import GRPOWorkload, make_grpo_batch
+from hilore_verl.tiny.models import save_tiny_model
+from hilore_verl.tiny.workload import GRPOWorkload, make_grpo_batch
 
 
-
-def load_verl_plugin():
-    """Import verl (which loads its plugins' entry points) and return hilore-verl's plugin status."""
+def import_verl() -> None:
+    """Import verl, which loads its plugins' entry points (hilore-verl's records what happened in
+    `hilore_verl.plugin.STATUS`)."""
     import verl  # noqa: F401
-
-    from hilore_verl.plugin import STATUS
-
-    return STATUS
 
 
 def platform_in_use() -> str:

@@ -108,7 +108,7 @@ def to_engine_batch(
     calculate_entropy: bool = False,
     max_token_len_per_gpu: int | None = None,
 ):
-    """A padded mini-batch (see hilore_verl.workload) as the TensorDict verl's engine.train_batch takes.
+    """A padded mini-batch (see hilore_verl.tiny.workload) as the TensorDict verl's engine.train_batch takes.
 
     `global_batch_size`: sequences in the mini-batch over all data-parallel ranks (ppo_loss
     normalises sequence-mean modes by it); defaults to this batch's size. `max_token_len_per_gpu`:
