@@ -57,9 +57,8 @@ LONG_SUBPROCESS_TESTS = {  # "file::test function": the sum of its subprocess ti
     "test_two_nodes_on_cpu.py::test_tiny_recipe_on_two_nodes": 900,
     "test_gpu_check_on_cpu.py::test_the_cpu_rehearsal_runs_every_stage_without_verl": 1320,
     "test_main_ppo_on_cpu.py::test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_probing": 1800,
-    "test_main_ppo_on_cpu.py::test_stock_ppo_trainer_plus_documented_overrides": 900,
+    "test_main_ppo_on_cpu.py::test_stock_ppo_trainer_plus_documented_overrides_with_the_shared_prompt": 900,
     "test_main_ppo_on_cpu.py::test_legacy_trainer_starting_without_a_loss_term_calibrates_later": 900,
-    "test_main_ppo_on_cpu.py::test_shared_prompt_through_the_trainer": 900,
 }
 
 

@@ -1,5 +1,7 @@
 """verl's own trainer end to end on the CPU: `python -m verl.trainer.main_ppo` through Ray, 2 ranks, the
-tiny task, the plugin's `hf` rollout. Each test is one or two trainer runs of about a minute."""
+tiny task, the plugin's `hf` rollout. Each test is one or two trainer runs of about a minute: the recipe's
+features with a resume, verl's stock config with the documented overrides and the shared prompt, and verl's
+legacy trainer on a run that starts without a loss term."""
 
 import json
 import os
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from hilore_verl.tiny_task import make_tiny_task
+    from hilore_verl.tiny.task import make_tiny_task
 
     return Path(make_tiny_task(str(tmp_path_factory.mktemp("tiny") / "task")))
 
@@ -72,8 +74,13 @@ def test_hilore_epochs_minibatches_dynamic_bsz_kl_audit_then_resume_without_prob
     assert resumed[0]["data"]["actor/hilore/audit/cosine"] >= 0.99  # as above
 
 
-def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
-    """No project YAML: verl's own ppo_trainer and the command-line overrides recipes/README.md documents."""
+def test_stock_ppo_trainer_plus_documented_overrides_with_the_shared_prompt(tmp_path, task):
+    """No project YAML: verl's own ppo_trainer and the command-line overrides recipes/README.md documents, with
+    hilore.shared_prompt (on by default) through verl's v1 trainer (its jagged response masks, its
+    micro-batches, its balance keeping whole groups under use_prefix_grouper, docs/config.md): each group's
+    prompt computed once in the actor's update and log-prob passes, no micro-batch refused. (Two runs from
+    one seed sample different rollouts here, so equality with the ordinary layout is tested in the engine,
+    on one batch: tests/test_shared_prompt_engine_on_cpu.py.)"""
     import verl
 
     stock = Path(verl.__file__).parent / "trainer" / "config"
@@ -85,7 +92,7 @@ def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
                  "trainer.device=cpu", "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
                  "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.total_training_steps=1",
                  "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-                 "data.train_batch_size=4", "data.max_prompt_length=16", "data.max_response_length=8",
+                 "data.train_batch_size=4", "data.max_prompt_length=16", "data.max_response_length=4",
                  "data.dataloader_num_workers=0", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=2",
                  "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
                  "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
@@ -94,11 +101,24 @@ def test_stock_ppo_trainer_plus_documented_overrides(tmp_path, task):
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
                  "transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "ray_kwargs.ray_init.num_cpus=16",
-                 "reward.custom_reward_function.path=pkg://hilore_verl.tiny_task",
-                 "reward.custom_reward_function.name=compute_score"]
+                 "reward.custom_reward_function.path=pkg://hilore_verl.tiny.task",
+                 "reward.custom_reward_function.name=compute_score",
+                 # the shared prompt's needs (docs/config.md): whole groups per rank, remove-padding
+                 "actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.model.use_remove_padding=true",
+                 # every sequence trained: a first step whose rewards are all 0 would otherwise train only
+                 # fillers of one sequence each, with nothing to share
+                 "+actor_rollout_ref.actor.hilore.skip_zero_exposure=false"]
     rc, out, steps = main_ppo(tmp_path, task, *overrides, config_path=stock, config_name="ppo_trainer")
     assert rc == 0, out[-6000:]
     assert len(steps) == 1 and "actor/hilore/plan/budget_gib" in steps[0]["data"]
+    assert "shared prompt off" not in out and "shared_prompt is off" not in out, out[-6000:]
+    m = steps[0]["data"]
+    assert m["actor/hilore/shared_prompt_on"] == 1.0
+    # rollout.n=2: sharing a group's prompt P between responses R1, R2 computes P + R1 + R2 of 2P + R1 + R2
+    # tokens, so the share lies in (1/2, 1) once any group shares (1: none did). Where it lands depends on the
+    # sampled lengths and on ShareRule declining short prompts, both of which vary between rollouts here.
+    assert 0.5 < m["actor/hilore/shared/token_share"] < 1.0, [line for line in out.splitlines() if "shared" in line]
+    assert all(abs(m[k]) < float("inf") for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"))
 
 
 def test_legacy_trainer_starting_without_a_loss_term_calibrates_later(tmp_path, task):
@@ -116,20 +136,3 @@ def test_legacy_trainer_starting_without_a_loss_term_calibrates_later(tmp_path, 
     assert "the risk model is not calibrated" in out
     assert 0.0 < second["critic/score/mean"] < 1.0  # rewards that differ within groups from step 2
     assert second["actor/hilore/risk_calibrated"] == 1.0 and "risk model calibrated at step" in out
-
-
-def test_shared_prompt_through_the_trainer(tmp_path, task):
-    """hilore.shared_prompt through verl's trainer (its jagged response masks, its micro-batches): each group's
-    prompt computed once in the actor's update and log-prob passes, no micro-batch refused. (Two runs from one
-    seed sample different rollouts here, so equality with the ordinary layout is tested in the engine, on one
-    batch: tests/test_shared_prompt_engine_on_cpu.py.)"""
-    rc, out, steps = main_ppo(tmp_path, task, "actor_rollout_ref.actor.hilore.enable=true",
-                              "actor_rollout_ref.actor.hilore.shared_prompt=true", "trainer.total_training_steps=1")
-    assert rc == 0, out[-6000:]
-    assert "shared prompt off" not in out and "shared_prompt is off" not in out, out[-6000:]
-    m = steps[0]["data"]
-    # rollout.n=2: sharing a group's prompt P between responses R1, R2 computes P + R1 + R2 of 2P + R1 + R2
-    # tokens, so the share lies in (1/2, 1) once any group shares (1: none did). Where it lands depends on the
-    # sampled lengths and on ShareRule declining short prompts, both of which vary between rollouts here.
-    assert 0.5 < m["actor/hilore/shared/token_share"] < 1.0, m
-    assert all(abs(m[k]) < float("inf") for k in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"))
