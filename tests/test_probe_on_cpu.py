@@ -10,7 +10,7 @@ import hilore_verl
 from hilore_verl.bench.actor_update import BenchConfig, build_model, forward_context, loss_of, make_batch, probe_batch
 from hilore_verl.planner import CostTable, UnitProfile, profile
 from hilore_verl.planner.growth import quadratic_share
-from hilore_verl.planner.probe import MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound
+from hilore_verl.training.probe import MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound
 from hilore_verl.runtime import UnitPlan
 from hilore_verl.runtime.saving import is_parameter_like
 

@@ -19,7 +19,7 @@ from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.loss.exposure import read_floats
 from hilore_verl.planner import profile
 from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
-from hilore_verl.planner.probe import half_probe, probe_indices, probe_token_bound
+from hilore_verl.training.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.loss.risk import RiskModel, calibrate_by_group
 from hilore_verl.runtime import RECOMPUTE, Runtime, UnitPlan
 
@@ -53,10 +53,10 @@ def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, 
     unchanged and False comes back. Every rank decides alike (one reduction) and runs the same probe
     passes, whose FSDP collectives pair; a rank whose own micro-batches have no exposure measures nothing
     and takes the others' figures. `model` changes only when every probe has run."""
+    bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
     squares = read_floats([passes.coefficients(mb).double().pow(2).sum() for mb in micro_batches])
     if collectives.reduce([sum(squares)], "sum")[0] <= 0:
         return False
-    bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
     measured = _calibrate(config, runtime, passes, micro_batches, bound)
     _average_risk(collectives, [u.name for u in runtime.units], measured)
     passes.zero_grad()
@@ -66,7 +66,7 @@ def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, 
 
 
 def probe(passes, micro_batch, bound: int, priority=None):
-    """Whole sequences of `micro_batch` up to `bound` tokens (planner/probe.py)."""
+    """Whole sequences of `micro_batch` up to `bound` tokens (training/probe.py)."""
     lengths = passes.lengths(micro_batch)
     index = probe_indices(lengths, bound, priority)
     return micro_batch if len(index) == len(lengths) else passes.select(micro_batch, index)

@@ -50,10 +50,10 @@ def sequence_lengths(data) -> list[int]:
 
 def zero_exposure(data) -> tuple[list[bool], list[int]]:
     """Per sequence: no advantage on any response token, and its tokens (read together, in one transfer)."""
+    lengths = sequence_lengths_tensor(data)
     advantages, mask = padded(data, "advantages"), padded(data, "response_mask").bool()
     moved = ((advantages != 0) & mask).any(-1)
-    lengths = torch.as_tensor(sequence_lengths_tensor(data), device=moved.device)
-    both = torch.stack([moved.to(torch.long), lengths.to(torch.long)]).tolist()
+    both = torch.stack([moved.to(torch.long), lengths.to(device=moved.device, dtype=torch.long)]).tolist()
     return [not m for m in both[0]], both[1]
 
 

@@ -113,7 +113,6 @@ def aggregation_weights(response_mask: torch.Tensor, loss_agg_mode: str,
     return w
 
 
-
 def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, vocab_size: int | None = None,
                    global_batch_info: Mapping[str, Any] | None = None) -> exposure.Exposure:
     """`exposure.summarize` with the entropy bound that verl's actor config calls for.
@@ -133,6 +132,7 @@ def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, v
     info.update(global_batch_info or {})
     weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
     return exposure.summarize(c, response_mask, entropy_coeff=coeff, entropy_weights=weights, vocab_size=vocab_size)
+
 
 # Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
 # sequence's) log-probs, with no term across sequences: a sequence whose advantages are all 0 has a zero
