@@ -41,7 +41,6 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     from hilore_verl.bench import methods as M
     from hilore_verl.bench.timer import spelled
     from hilore_verl.bench.actor_update import BenchConfig, make_batch
-    from hilore_verl.planner import BudgetConfig
 
     config = BenchConfig(**{k: v for k, v in json.loads(config_json).items()
                             if k not in ("intermediate_size", "num_heads", "num_kv_heads")})
@@ -52,18 +51,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     code = _status_kib("VmRSS") - code
     base = torch.cuda.memory_allocated() // 1024 if cuda else _status_kib("VmRSS")
     if state_path == FIRST_STEP:  # a planner's first step: profiling and calibration, then one step
-        start = time.perf_counter()
-        built = M.build(method, config, batch, BudgetConfig("gc_ratio", 1.10))
-        built.step(batch)
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() // 1024 if cuda else _status_kib("VmHWM")
-        del built
-        start = time.perf_counter()  # the model and optimizer a GC row builds: not the planner's own work
-        gc = M.build("gc", config, batch)
-        built_s = time.perf_counter() - start
-        gc.step(batch)  # a GC step timed in the same process and environment, after one warm-up
-        return {"base_kib": base, "codec_code_kib": code, "peak_kib": peak, "first_step_s": seconds - built_s,
-                "model_build_s": built_s, "gc_step_s": gc.step(batch)}
+        return {"base_kib": base, "codec_code_kib": code, **_first_step(method, config, batch, cuda)}
     if method in M.PLANNERS:
         state = torch.load(state_path, weights_only=False)
         built = M.build_from_state(method, config, batch, state)
@@ -96,6 +84,26 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     plan = spelled(c.history[-1].plan) if c is not None and c.history else None  # the plan measured here
     return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
             "arm": arm, "plan": plan, "tensor_peak_kib": tensors}
+
+
+def _first_step(method: str, config, batch, cuda: bool) -> dict:
+    """A planner built from scratch and its first step, then GC's model built and a GC step timed."""
+    import torch
+
+    from hilore_verl.bench import methods as M
+    from hilore_verl.planner import BudgetConfig
+
+    start = time.perf_counter()
+    built = M.build(method, config, batch, BudgetConfig("gc_ratio", 1.10))
+    built.step(batch)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() // 1024 if cuda else _status_kib("VmHWM")
+    del built
+    start = time.perf_counter()  # the model and optimizer a GC row builds: not the planner's own work
+    gc = M.build("gc", config, batch)
+    built_s = time.perf_counter() - start
+    gc.step(batch)  # a GC step timed in the same process and environment, after one warm-up
+    return {"peak_kib": peak, "first_step_s": seconds - built_s, "model_build_s": built_s, "gc_step_s": gc.step(batch)}
 
 
 def state_bytes(model, optimizer) -> int:
