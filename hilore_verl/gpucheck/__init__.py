@@ -19,6 +19,8 @@ runs), the report rewritten after every stage so that it exists whatever happens
 `--device cpu --tiny` runs every stage on the CPU at tiny sizes (the test suite does, so the check
 cannot rot). Outputs: DIR/gpu_check.json, DIR/gpu_check.md, one DIR/stage_<name>.json per stage;
 DIR defaults to $OUT.
+
+A tool on top: may import bench and the core packages; never verl, Ray or integration.
 """
 
 from hilore_verl.gpucheck.run import STAGES, run_check

@@ -15,6 +15,8 @@ Three parts, by audience:
 
 Importing it checks the installed verl and torch against the supported ranges first, so an
 unsupported combination fails here with the ranges named, not deep inside verl.
+
+The only package that imports verl; may import every core package (tiny for tools/ only).
 """
 
 from hilore_verl.validation.versions import SUPPORTED, UnsupportedVersionError, require_supported_versions

@@ -1,4 +1,7 @@
-"""Planner: cost and memory model, budgeted solver, per-mini-batch controller."""
+"""Planner: cost and memory model, budgeted solver, per-mini-batch controller.
+
+May import runtime, loss, model, measure, kernels and validation; never training, integration or verl.
+"""
 
 from hilore_verl.planner.budget import BudgetConfig
 from hilore_verl.planner.controller import Controller

@@ -1,4 +1,7 @@
-"""Model configs (architecture only, no weights) that `hilore-verl plan --model` accepts by name."""
+"""Model configs (architecture only, no weights) that `hilore-verl plan --model` accepts by name.
+
+Data only: imports nothing of hilore_verl.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The recovery-unit runtime: keep, compress or recompute each unit's saved activations as a Plan says."""
+"""The recovery-unit runtime: keep, compress or recompute each unit's saved activations as a Plan says.
+
+May import kernels, model and validation; never planner, training or verl (it decides nothing).
+"""
 
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, UnitPlan
 from hilore_verl.runtime.config import RuntimeConfig

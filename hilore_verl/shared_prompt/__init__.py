@@ -5,6 +5,8 @@ group's n copies of its prompt can be computed once. `layout` packs a micro-batc
 `attention` serves it as a transformers attention implementation, `logprobs` returns each response's
 log-probs (and entropies) equal to the ordinary per-sequence forward; autograd sums each prompt's
 gradient over its responses. Nothing here imports verl.
+
+A leaf: imports nothing else of hilore_verl.
 """
 
 from hilore_verl.shared_prompt.attention import (
