@@ -57,7 +57,7 @@ logger = logging.getLogger("hilore_verl")
 
 def check_codec_device(config: HiLoReConfig, device: torch.device) -> bool:
     """At start-up, not at the first compressed tensor: can Triton launch its codecs on `device`? When it
-    cannot, `kernels.triton_guard` logs one line naming what is missing (C compiler, Python.h, libcuda)
+    cannot, `kernels.triton_status` logs one line naming what is missing (C compiler, Python.h, libcuda)
     and the torch reference codec runs on the device instead. True when nothing is in the way."""
     if device.type != "cuda" or config.risk_budget <= 0:  # no Triton there, or nothing will be compressed
         return True
