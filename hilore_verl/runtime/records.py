@@ -51,7 +51,7 @@ def storage_id(t: torch.Tensor):
     object's (the StorageImpl's) address stands in, shared by views and alive as long as any of them.
     (A Python id of `t._base` is not: a base's Python object can die while its views live, and
     `_base` then hands out a new object, whose id another tensor may have had.)"""
-    if t.device.type == "meta":
+    if t.is_meta:
         return "meta", t.untyped_storage()._cdata
     return t.untyped_storage().data_ptr()
 

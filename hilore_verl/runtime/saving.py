@@ -109,7 +109,9 @@ def parameter_kind(t: torch.Tensor) -> str | None:
     anything else. Neither kind grows with tokens or is ever compressed."""
     if t._base is not None:
         t = t._base  # a view's storage is its base's
-    if isinstance(t, nn.Parameter):
+    # a plain tensor is never a parameter: only a subclass carries Parameter's flag (`isinstance` on
+    # Parameter runs a Python metaclass check: a tenth of a save's hook time, where most saves are plain)
+    if type(t) is nn.Parameter or (type(t) is not torch.Tensor and isinstance(t, nn.Parameter)):
         return "leaf"
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
