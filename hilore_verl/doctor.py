@@ -84,7 +84,7 @@ def check_triton() -> Check:
     if not ok:
         fixes = [fix for _, fix in triton_guard.missing_pieces()]
         return Check(False, f"{reason} (compressed tensors would use the torch reference codec: correct, slower)",
-                     "; ".join(fixes) or "see the detail; run tests/test_triton_codecs_on_cpu.py for more")
+                     "; ".join(fixes) or "see the detail; run tests/kernels/test_triton_codecs_on_cpu.py for more")
     return Check(True, f"quantize / dequantize launched on {device}: bit for bit the torch reference (int8, fp8, "
                        "int4; nearest and stochastic rounding; bf16 and fp32)")
 

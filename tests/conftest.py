@@ -27,8 +27,8 @@ os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 # The fused CPU codec compiles once per row width and format; tests sweep many widths in many
 # processes, so they run the torch reference, which the fused codec equals bit for bit
-# (tests/test_cpu_fused_on_cpu.py checks that, and runs the runtime on the fused codec;
-# tests/test_cpu_codec_path_on_cpu.py that the default entry point runs the compiled codecs).
+# (tests/kernels/test_cpu_fused_on_cpu.py checks that, and runs the runtime on the fused codec;
+# tests/kernels/test_cpu_codec_path_on_cpu.py that the default entry point runs the compiled codecs).
 os.environ.setdefault("HILORE_VERL_CPU_CODEC", "reference")
 
 
@@ -51,7 +51,7 @@ def pytest_report_header(config):
 # that sum plus SUBPROCESS_MARGIN_S for its fixtures and checks. tests/test_subprocess_timeouts_on_cpu.py
 # reads every test's subprocess timeouts from its source and fails when one would outlast the pytest timeout.
 SUBPROCESS_MARGIN_S = 120
-LONG_SUBPROCESS_TESTS = {  # "file::test function": the sum of its subprocess timeouts, seconds
+LONG_SUBPROCESS_TESTS = {  # "file name::test function" (any folder of tests/): its subprocess timeouts summed, seconds
     "test_demo_on_cpu.py::test_demo_command": 1200,
     "test_verl_suite_on_cpu.py::test_verl_s_own_cpu_tests_pass_with_the_plugin_loaded": 2400,
     "test_two_nodes_on_cpu.py::test_tiny_recipe_on_two_nodes": 900,

@@ -71,7 +71,7 @@ def _explicit_timeout(test: ast.FunctionDef) -> float | None:
 
 
 def _tests_and_their_subprocess_seconds():
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.rglob("test_*.py")):  # tests/ and its package folders (tests/runtime, ...)
         tree = ast.parse(path.read_text())
         helpers = _helper_defaults(tree)
         for node in tree.body:
@@ -109,11 +109,13 @@ def test_the_long_tests_get_their_pytest_timeout(tmp_path):
     """tests/conftest.py's hook marks the listed tests: their files collected in a subprocess (nothing run)."""
     (tmp_path / "timeout_marks_probe.py").write_text(PROBE)
     marks = tmp_path / "marks.txt"
-    files = sorted({key.split("::")[0] for key in conftest.LONG_SUBPROCESS_TESTS})
+    names = {key.split("::")[0] for key in conftest.LONG_SUBPROCESS_TESTS}
+    files = sorted(str(path.relative_to(TESTS.parent)) for path in TESTS.rglob("test_*.py") if path.name in names)
+    assert {Path(f).name for f in files} == names, names - {Path(f).name for f in files}
     env = {**os.environ, "TIMEOUT_MARKS": str(marks),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = harness.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "-p", "timeout_marks_probe", *[f"tests/{f}" for f in files]], timeout_s=300, env=env,
+                        "-p", "timeout_marks_probe", *files], timeout_s=300, env=env,
                        cwd=str(TESTS.parent))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = {}

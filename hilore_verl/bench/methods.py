@@ -34,7 +34,8 @@ from hilore_verl.planner import BudgetConfig
 from hilore_verl.shared_prompt import install as install_shared_attention
 
 SHARED = ("no_gc_shared", "gc_shared", "hilore_shared")  # the same methods on the shared-prompt layout
-# `hilore-verl bench` without --methods (the CLI's help names them; tests/test_bench_on_cpu.py holds the two together)
+# `hilore-verl bench` without --methods (the CLI's help names them; tests/bench/test_bench_on_cpu.py holds the two
+# together)
 DEFAULT = ("no_gc", "gc", "verl_offload", "hidden_offload", "int8_boundary", "fp8_boundary", "keep_recompute", "hilore")
 METHODS = (*DEFAULT[:2], "gc_drop_zero_adv", *DEFAULT[2:], "runtime_keep", "runtime_recompute", *SHARED)
 PLANNERS = ("keep_recompute", "hilore", "hilore_shared")

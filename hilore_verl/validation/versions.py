@@ -8,7 +8,7 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-# Keep in step with pyproject.toml (tests/test_versions_on_cpu.py checks that they agree).
+# Keep in step with pyproject.toml (tests/validation/test_versions_on_cpu.py checks that they agree).
 SUPPORTED: dict[str, str] = {
     "verl": ">=0.9.1,<0.10",
     "torch": ">=2.10,<2.14",

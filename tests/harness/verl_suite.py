@@ -3,7 +3,7 @@
 verl's wheel carries no tests; the source distribution of the same release on PyPI does.
 `python -m tests.harness.verl_suite fetch DIR` (run by `make install`) downloads the sdist of the
 installed verl and keeps its `tests/` in DIR (nothing of it is part of this repository);
-tests/test_verl_suite_on_cpu.py runs them with the plugin loaded.
+tests/integration/test_verl_suite_on_cpu.py runs them with the plugin loaded.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, v
 
 # Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
 # sequence's) log-probs, with no term across sequences: a sequence whose advantages are all 0 has a zero
-# loss term for any log-probs. Verified against ppo_loss by tests/test_skip_on_cpu.py. Not here, so never
+# loss term for any log-probs. Verified against ppo_loss by tests/loss/test_skip_on_cpu.py. Not here, so never
 # skipped: clip_cov / kl_cov (tokens chosen by covariance over the batch), geo_mean (measured coupled over
 # the micro-batch), dro (a log-ratio penalty without the advantage), bypass_mode (IS weights and rejection
 # masks computed in the loss, optionally normalised over the batch), and any mode registered later.
