@@ -3,7 +3,7 @@
 `BenchPasses` is what the session asks of a framework (host.Passes), for the bench's model and
 batch (bench/actor_update.py); `SessionMethod` runs one actor update the way `HiLoReFSDPEngine` does:
 
-    session.train(micro_batches, step)      first call: probe, profile, calibrate, build the controller
+    session.train(mbs, step, row_tokens)    first call: probe, profile, calibrate, build the controller
       step():  for each micro-batch: before_forward (plan) -> forward -> after_forward (risk) -> backward
                session.optimizer_step(the optimizer's step)
 
@@ -176,7 +176,7 @@ class SessionMethod(Method):
             self._framework_step([micro_batch], update)
             passes.append(time.perf_counter() - begin)
 
-        _, self.metrics = self.session.train([micro_batch], framework_step, tokens_of)
+        _, self.metrics = self.session.train([micro_batch], framework_step, [tokens_of(micro_batch)])
         self.session_s.append(time.perf_counter() - start - sum(passes))
 
     def _framework_step(self, micro_batches, update: bool) -> None:

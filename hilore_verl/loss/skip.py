@@ -7,8 +7,8 @@ and backward can be left out. What normalises the loss (token and sequence count
 mini-batch) is left to the framework, which keeps it as computed over every sequence.
 
 Data-parallel ranks must still run the same number of micro-batches (each forward and backward pairs
-FSDP collectives with the other ranks'). `form` splits this rank's kept sequences with the framework's
-own split, agrees on the largest count M over ranks, re-splits a rank that has fewer micro-batches
+FSDP collectives with the other ranks'). `form` (`Forming`) splits this rank's kept sequences with the
+framework's own split, agrees on the largest count M over ranks, re-splits a rank that has fewer micro-batches
 into min(M, kept) and pads what is still missing with filler micro-batches: one skipped sequence
 each (this rank's shortest), whose loss term is zero, so the update is unchanged. Free of verl and
 torch.distributed: reductions go through the session's `Collectives`.
@@ -40,33 +40,68 @@ class Layout:
                 "hilore/skip/filler_micro_batches": float(self.fillers)}
 
 
+class Forming:
+    """`form`'s agreement, driven by its caller: `offer` this rank's split of `kept` (the framework's, into
+    at least the count asked: 1 at first) until `offer` returns None, then read `layout`. Every rank runs
+    the same collectives in the same order: one gather at the first offer, one reduction per agreed count.
+
+        forming, at_least = Forming(zero, lengths, collectives), 1
+        while at_least is not None:
+            at_least = forming.offer(split(forming.kept, at_least) if forming.kept else [])
+    """
+
+    def __init__(self, zero: Sequence[bool], lengths: Sequence[int], collectives):
+        self.kept = [i for i, z in enumerate(zero) if not z]
+        self._skipped = sorted((i for i, z in enumerate(zero) if z), key=lambda i: lengths[i])
+        self._zero, self._lengths, self._collectives = zero, lengths, collectives
+        self._totals: tuple[int, int, int, int] | None = None  # skipped sequences, tokens; all sequences, tokens
+        self._target = 0  # the micro-batch count every rank runs, as agreed so far
+        self._asked = False  # the parts offered next are the re-split `offer` asked for
+        self.layout: Layout | None = None
+
+    def offer(self, parts: list[list[int]]) -> int | None:
+        """`parts`: this rank's micro-batches of `kept`. The count to split `kept` into at least (the
+        caller offers that split next), or None once `layout` is formed: None in it when no rank leaves
+        anything out, or a rank could not pair its micro-batches (the framework then splits every
+        sequence as always)."""
+        if self._totals is None:
+            rows = self._collectives.gather([float(len(self._skipped)),
+                                             float(sum(self._lengths[i] for i in self._skipped)),
+                                             float(len(self._zero)), float(sum(self._lengths)),
+                                             float(len(parts))])  # one collective
+            self._totals = tuple(int(sum(col)) for col in list(zip(*rows))[:4])
+            if self._totals[0] == 0:
+                return self._formed(None)
+            self._target = max(1, int(max(row[4] for row in rows)))
+        while True:
+            want = min(self._target, len(self.kept))
+            if len(parts) < want and not self._asked:
+                self._asked = True  # balanced over as many as the others run
+                return want
+            self._asked = False
+            short = len(parts) < self._target and not self._skipped  # and no skipped sequence to fill with
+            high, any_short = self._collectives.reduce([float(len(parts)), float(short)], "max")
+            if any_short:  # a rank has too few sequences to pair its collectives: no skip in this mini-batch
+                return self._formed(None)
+            if int(high) <= self._target:
+                break
+            self._target = int(high)  # a re-split grew past the count (a token limit): agree again
+        fillers = self._target - len(parts)
+        return self._formed([list(p) for p in parts] + [[self._skipped[0]] for _ in range(fillers)], fillers)
+
+    def _formed(self, micro_batches: list[list[int]] | None, fillers: int = 0) -> None:
+        s_seq, s_tok, n_seq, n_tok = self._totals
+        self.layout = (Layout(None, 0, 0, 0, n_seq, n_tok) if micro_batches is None
+                       else Layout(micro_batches, fillers, s_seq, s_tok, n_seq, n_tok))
+
+
 def form(zero: Sequence[bool], lengths: Sequence[int], split: Split, collectives) -> Layout:
-    """The micro-batches of this rank's sequences with `zero` (no loss term) left out. `micro_batches` is
-    None when no rank leaves anything out, or a rank could not pair its micro-batches: the framework
-    then splits every sequence as always (and nothing is skipped)."""
-    kept = [i for i, z in enumerate(zero) if not z]
-    skipped = sorted((i for i, z in enumerate(zero) if z), key=lambda i: lengths[i])
-    parts = split(kept, 1) if kept else []
-    rows = collectives.gather([float(len(skipped)), float(sum(lengths[i] for i in skipped)), float(len(zero)),
-                               float(sum(lengths)), float(len(parts))])  # one collective
-    s_seq, s_tok, n_seq, n_tok = (sum(col) for col in list(zip(*rows))[:4])
-    nothing = Layout(None, 0, 0, 0, int(n_seq), int(n_tok))
-    if s_seq == 0:
-        return nothing
-    target = max(1, int(max(row[4] for row in rows)))
-    while True:
-        if len(parts) < min(target, len(kept)):
-            parts = split(kept, min(target, len(kept)))  # balanced over as many as the others run
-        short = len(parts) < target and not skipped  # short of the count, and no skipped sequence to fill with
-        high, any_short = collectives.reduce([float(len(parts)), float(short)], "max")
-        if any_short:  # a rank has too few sequences to pair its collectives: no skip in this mini-batch
-            return nothing
-        if int(high) <= target:
-            break
-        target = int(high)  # a re-split grew past the count (a token limit): agree again
-    fillers = target - len(parts)
-    micro_batches = [list(p) for p in parts] + [[skipped[0]] for _ in range(fillers)]
-    return Layout(micro_batches, fillers, int(s_seq), int(s_tok), int(n_seq), int(n_tok))
+    """The micro-batches of this rank's sequences with `zero` (no loss term) left out, `split` being
+    the framework's split (`Forming` for a caller that splits between the agreement's steps)."""
+    forming, at_least = Forming(zero, lengths, collectives), 1
+    while at_least is not None:
+        at_least = forming.offer(split(forming.kept, at_least) if forming.kept else [])
+    return forming.layout
 
 
 def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
@@ -82,4 +117,4 @@ def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
     return out
 
 
-__all__ = ["Layout", "Split", "chunks", "form"]
+__all__ = ["Forming", "Layout", "Split", "chunks", "form"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -114,9 +114,10 @@ class Session:
                        / 2**30, gc_peak / 2**30, largest, len(costs.units), costs.tokens)
 
     # ------------------------------------------------------------------ one mini-batch
-    def train(self, micro_batches: list, step: Callable[[], Any], tokens: Callable[[Any], int]) -> tuple[Any, dict]:
+    def train(self, micro_batches: list, step: Callable[[], Any], row_tokens: Sequence[int]) -> tuple[Any, dict]:
         """One mini-batch: `step()` runs the framework's own forward, backward and optimizer step
-        over `micro_batches` (this rank's, as the framework splits them), calling `before_forward`
+        over `micro_batches` (this rank's, as the framework splits them; `row_tokens`: the tokens of
+        each one's packed row, padding included), calling `before_forward`
         and `after_forward` around each training forward. Returns step()'s result and the
         mini-batch's metrics. On any fault the session is as before the call, and so are the parameters
         and optimizer state where the fault came after the optimizer step (from its snapshot). A fault
@@ -124,7 +125,7 @@ class Session:
         start_step = self.step
         self._stepped = None
         try:
-            return self._train(micro_batches, step, tokens)
+            return self._train(micro_batches, step, row_tokens)
         except BaseException as err:
             self.step = start_step  # the mini-batch did not happen
             self._timed = None
@@ -151,14 +152,14 @@ class Session:
         snapshot.restore()
         return "its parameters and optimizer state are as before the step (undone from the snapshot)"
 
-    def _train(self, micro_batches, step, tokens):
+    def _train(self, micro_batches, step, row_tokens):
         first = self.controller is None
         if first:
             self.build_controller(micro_batches)
         self.step += 1
         if self._uncalibrated() and not (first and self._measured_now):
             self._optional("calibrating the risk model", lambda: self._calibrate(micro_batches))
-        self._begin(micro_batches, tokens)
+        self._begin(micro_batches, row_tokens)
         self._meter().start()
         if self.controller.audit_due(self.step) and self.passes.has_coefficients:
             # its metrics are in controller.metrics() for this mini-batch only
@@ -207,9 +208,9 @@ class Session:
             logger.warning("hilore-verl: risk model calibrated at step %d (the first mini-batch with a loss term, "
                            "%d units measured): plans may compress from now on", self.step, len(ctl.risk.sensitivity))
 
-    def _begin(self, micro_batches, tokens) -> None:
+    def _begin(self, micro_batches, row_tokens) -> None:
         """Every micro-batch's predicted exposure (on-policy point) and tokens (those its layers compute
-        and those of its packed row, `tokens`), reduced over ranks (sum of squares, max) so that
+        and those of its packed row, `row_tokens`), reduced over ranks (sum of squares, max) so that
         micro-batch i gets the same plan on every rank."""
         n = len(micro_batches)
         if len({row[0] for row in self.collectives.gather([float(n)])}) != 1:
@@ -220,7 +221,7 @@ class Session:
         seconds = -1.0 if last is None else self._device_clock.seconds(last[0], last[1])
         layers = [self.passes.layer_tokens(mb) for mb in micro_batches]
         heads = [self.passes.head_rows(mb) for mb in micro_batches]  # None: every token (-1 over the wire)
-        rows = self.collectives.gather([e ** 2 for e in exposures] + [float(tokens(mb)) for mb in micro_batches]
+        rows = self.collectives.gather([e ** 2 for e in exposures] + [float(t) for t in row_tokens]
                                        + [float(t) for t in layers] + [-1.0 if h is None else float(h) for h in heads]
                                        + [seconds])
         squares = [sum(col) for col in zip(*(row[:n] for row in rows))]

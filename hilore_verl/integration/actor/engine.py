@@ -42,7 +42,7 @@ from hilore_verl.integration.actor.batch import LossTerms, vocab_size, zero_expo
 from hilore_verl.integration.actor.passes import VerlPasses
 from hilore_verl.integration.actor.loss import batch_skip_refusal, skip_refusal
 from hilore_verl.integration.actor.shared_check import self_check
-from hilore_verl.integration.actor.shared_prompt import SharedPrompt, agreed_split, unsupported_model
+from hilore_verl.integration.actor.shared_prompt import SharedPrompt, unsupported_model
 from hilore_verl.training.snapshots import StepSnapshot
 from hilore_verl.training.session import Session
 from verl.utils import tensordict_utils as tu
@@ -167,7 +167,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
             micro_batches, indices, layout = self._split(data, loss_function)
             out, metrics = self.session.train(micro_batches,
                                               lambda: self._train_step(data, micro_batches, indices, loss_function),
-                                              lambda mb: int(mb["input_ids"].values().numel()))
+                                              [int(mb["input_ids"].values().numel()) for mb in micro_batches])
         finally:
             self._taken = None
             if self._shared is not None:
@@ -195,14 +195,14 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
         layout = None
         if self._skips(data, loss_function):
-            zero, lengths = zero_exposure(data)
-            layout = skip.form(zero, lengths, lambda kept, at_least: self._split_kept(data, kept, at_least),
-                               self.session.collectives)
+            forming, at_least = skip.Forming(*zero_exposure(data), self.session.collectives), 1
+            while at_least is not None:  # this rank's split of its kept sequences, agreed over ranks
+                at_least = forming.offer(self._split_kept(data, forming.kept, at_least) if forming.kept else [])
+            layout = forming.layout
             if layout.micro_batches is not None:
                 return [tu.index_select_tensor_dict(data, i) for i in layout.micro_batches], None, layout
         if self._shared is not None:  # each group's sequences in one micro-batch where verl's bounds allow
-            parts = agreed_split(lambda at_least: self._shared.split(data, list(range(len(data))), at_least),
-                                 self.session.collectives)
+            parts = self._shared.agreed_split(data, self.session.collectives)
             if parts is not None:
                 return [tu.index_select_tensor_dict(data, p) for p in parts], parts, layout
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)

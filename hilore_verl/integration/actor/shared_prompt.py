@@ -210,6 +210,22 @@ class SharedPrompt:
         parts = group_micro_batches(keys, lengths, prompts, at_least, **bound)
         return None if parts is None else [[index[j] for j in part] for part in parts]
 
+    def agreed_split(self, data, collectives, rounds: int = 8) -> list[list[int]] | None:
+        """`split` of every sequence of `data` on every data-parallel rank, again into at least the largest
+        count until all ranks have the same number of micro-batches (verl's FSDP collectives run once per
+        micro-batch on every rank; one gather per try); None on every rank when a rank cannot split (or
+        the count does not settle)."""
+        every = list(range(len(data)))
+        parts = self.split(data, every, 1)
+        for _ in range(rounds):
+            counts = [row[0] for row in collectives.gather([float(len(parts)) if parts is not None else -1.0])]
+            if min(counts) < 0:
+                return None
+            if min(counts) == max(counts):
+                return parts
+            parts = self.split(data, every, int(max(counts)))
+        return None
+
     def forget_split(self) -> None:
         """The mini-batch's prompt keys are read once per mini-batch; drop them after its step."""
         self._keys = None
@@ -283,18 +299,3 @@ class SharedPrompt:
         if stats:
             out["hilore/shared/token_share"] = sum(s[0] for s in stats) / max(sum(s[1] for s in stats), 1)
         return out
-
-
-def agreed_split(split, collectives, rounds: int = 8) -> list[list[int]] | None:
-    """`split(at_least)` on every data-parallel rank until all return the same number of micro-batches
-    (verl's FSDP collectives run once per micro-batch on every rank); None on every rank when a rank
-    cannot split (or the count does not settle)."""
-    parts = split(1)
-    for _ in range(rounds):
-        counts = [row[0] for row in collectives.gather([float(len(parts)) if parts is not None else -1.0])]
-        if min(counts) < 0:
-            return None
-        if min(counts) == max(counts):
-            return parts
-        parts = split(int(max(counts)))
-    return None
