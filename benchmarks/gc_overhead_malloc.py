@@ -17,17 +17,17 @@ import sys
 CHILD = r'''
 import json, sys, time, torch
 from hilore_verl.bench import methods as M
-from hilore_verl.bench.actor_update import BenchConfig, coefficients, make_batch, indexed_log_probs
+from hilore_verl.bench.actor_update import BenchConfig, forward_context, loss_of, make_batch
 h, L, V, R = map(int, sys.argv[1:5])
 cfg = BenchConfig(hidden_size=h, num_layers=L, vocab_size=V, max_response_len=R)
-batch = make_batch(cfg); c = coefficients(batch); out = {}
+batch = make_batch(cfg); out = {}
 for name in ("no_gc", "gc"):
     m = M.build(name, cfg, batch)
-    for _ in range(2):
+    for _ in range(2):  # the bench's forward and log-probs (packed row, autocast), backward, optimizer step
         t0 = time.perf_counter()
-        logits = m.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"], use_cache=False).logits
-        loss = (indexed_log_probs(logits, batch) * c).sum(); t1 = time.perf_counter()
+        with forward_context(cfg):
+            loss = loss_of(m.model, batch, batch["coef"])
+        t1 = time.perf_counter()
         loss.backward(); t2 = time.perf_counter(); m.optimizer.step(); m.optimizer.zero_grad(); t3 = time.perf_counter()
     out[name] = {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2, "step_s": t3 - t0}
 print(json.dumps(out))

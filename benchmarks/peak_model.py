@@ -40,7 +40,7 @@ def main() -> None:
     for ratio in (float(b) for b in args.budgets.split(",")):
         ctl = Controller(c.runtime, c.costs, c.risk, BudgetConfig("gc_ratio", ratio), static_bytes=c.static_bytes,
                          gradient_bytes=c.gradient_bytes, risk_budget=c.risk_budget)
-        plan = ctl.plan_for(tokens, row=tokens)
+        plan = ctl.search.plan_for(tokens, row=tokens)
         method.runtime.set_plan(ctl.runtime_plan(plan))
         method.optimizer.zero_grad(set_to_none=True)
         start = state_bytes(method.model, method.optimizer)
