@@ -6,7 +6,7 @@ c_t != 0, weighted by |c_t|: that is its exposure. Tokens of zero-advantage grou
 tokens and padding have c_t = 0 (without KL or entropy terms) and no exposure at all.
 
 The coefficients themselves come from verl's own loss (`hilore_verl.integration.actor.loss.loss_coefficients`,
-which checks its inputs with `check_inputs` here); this module never imports verl.
+which also pads and checks verl's inputs); this module never imports verl.
 
 Entropy bonus. It acts on the logits, not through log_prob, so it is not in c. Its gradient on
 token t's logits is -entropy_coeff * w_t * dH_t/dz with |dH/dz|_1 = sum_i p_i |log p_i + H| <= 2 H
@@ -23,49 +23,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-
-def padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-    """`t` as a padded tensor (a nested one padded with zeros; None stays None); `name` for the error."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
-
-
-def check_inputs(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
-           values: bool = True):
-    """Shapes and config (on the host); with `values`, also nan / inf on response tokens and negative
-    IS weights: every flag is computed on the tensors' device and read in one transfer."""
-    named = (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
-             ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob))
-    shape = response_mask.shape
-    for name, t in named:
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, response_mask has {tuple(shape)}: they must agree")
-    if getattr(actor_config, "use_kl_loss", False) and ref_log_prob is None:
-        raise ValueError("ref_log_prob is required: the actor config has use_kl_loss=True")
-    if values:
-        check_values(response_mask, **{name: t for name, t in named if t is not None})
-
-
-def check_values(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """Raise ValueError if a tensor holds nan or inf on response tokens, or rollout_is_weights is
-    negative there. Padded (B, T) tensors of one shape; one read of device data for all of them."""
-    mask = response_mask.bool()
-    flags, messages = [], []
-    for name, t in tensors.items():
-        flags.append((~torch.isfinite(t) & mask).any())
-        messages.append(f"{name} holds nan or inf on response tokens: nothing is computed from it")
-        if name == "rollout_is_weights":
-            flags.append(((t < 0) & mask).any())
-            messages.append("rollout_is_weights must be >= 0")
-    if not flags:
-        return
-    for bad, message in zip(torch.stack(flags).tolist(), messages):
-        if bad:
-            raise ValueError(message)
 
 
 def read_floats(values: Sequence[float | torch.Tensor]) -> list[float]:

@@ -104,17 +104,4 @@ def form(zero: Sequence[bool], lengths: Sequence[int], split: Split, collectives
     return forming.layout
 
 
-def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
-    """`index` in order, in max(ceil(len / size), at_least) near-equal parts of at most `size` (at most
-    len(index) parts): the split of a fixed micro-batch size."""
-    count = min(len(index), max(-(-len(index) // size), at_least))
-    base, extra = divmod(len(index), count)
-    out, start = [], 0
-    for k in range(count):
-        end = start + base + (k < extra)
-        out.append(index[start:end])
-        start = end
-    return out
-
-
-__all__ = ["Forming", "Layout", "Split", "chunks", "form"]
+__all__ = ["Forming", "Layout", "Split", "form"]

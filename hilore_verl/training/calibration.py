@@ -16,7 +16,6 @@ import math
 import torch
 
 from hilore_verl.training.config import HiLoReConfig
-from hilore_verl.loss.exposure import read_floats
 from hilore_verl.planner import profile
 from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
 from hilore_verl.training.probe import half_probe, probe_indices, probe_token_bound
@@ -54,7 +53,7 @@ def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, 
     passes, whose FSDP collectives pair; a rank whose own micro-batches have no exposure measures nothing
     and takes the others' figures. `model` changes only when every probe has run."""
     bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
-    squares = read_floats([passes.coefficients(mb).double().pow(2).sum() for mb in micro_batches])
+    squares = torch.stack([passes.coefficients(mb).double().pow(2).sum() for mb in micro_batches]).tolist()  # one read
     if collectives.reduce([sum(squares)], "sum")[0] <= 0:
         return False
     measured = _calibrate(config, runtime, passes, micro_batches, bound)
@@ -89,7 +88,7 @@ def audit(runtime: Runtime, passes, collectives, controller, step: int, micro_ba
     that exposure, without the entropy bound planning adds. No micro-batch with exposure, or a
     zero exact gradient: None, and nothing is recorded or changed."""
     coefficients = [passes.coefficients(mb) for mb in micro_batches]
-    squares = collectives.reduce(read_floats([c.double().pow(2).sum() for c in coefficients]), "sum")
+    squares = collectives.reduce(torch.stack([c.double().pow(2).sum() for c in coefficients]).tolist(), "sum")
     exposure_l2 = [math.sqrt(s) for s in squares]
     index = controller.audit_micro_batch(step, exposure_l2)
     if index is None:

@@ -70,6 +70,10 @@ def test_tiny_recipe_on_two_nodes(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
-    assert all("actor/hilore/plan/budget_gib" in s["data"] for s in steps)
+    for s in steps:  # both ranks planned the same micro-batches within the budget, with no retry
+        m = s["data"]
+        assert m["actor/hilore/plan/predicted_peak_gib"] <= m["actor/hilore/plan/budget_gib"] * 1.0001, m
+        assert m["actor/hilore/oom_retries"] == 0, m
+    assert "profiled on" in out  # the first step probed and calibrated
     rank_nodes = json.loads(next(line for line in out.splitlines() if "RANK_NODES" in line).split("RANK_NODES ")[1])
     assert len(rank_nodes) == 2 and len(set(rank_nodes.values())) == 2, rank_nodes  # one rank on each node

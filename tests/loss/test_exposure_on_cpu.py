@@ -178,15 +178,15 @@ def test_value_checks_read_once_and_can_be_skipped(monkeypatch):
     row, col = mask.bool().nonzero()[0].tolist()
     weights[row, col] = -1.0  # on one response token
     with pytest.raises(ValueError, match="rollout_is_weights must be >= 0"):
-        exposure.check_values(mask, advantages=batch["advantages"], rollout_is_weights=weights)
+        actor_loss.check_values(mask, advantages=batch["advantages"], rollout_is_weights=weights)
     off_response = batch["advantages"].clone()
     off_response[~mask.bool()] = float("nan")  # padding is not looked at
-    exposure.check_values(mask, advantages=off_response)
+    actor_loss.check_values(mask, advantages=off_response)
     reads = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: pytest.fail("a read per flag"))
-    exposure.check_values(mask, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
+    actor_loss.check_values(mask, old_log_prob=batch["old_log_probs"], advantages=batch["advantages"],
                           rollout_is_weights=batch["rollout_is_weights"])
     assert reads == [1]  # every flag in one transfer
     monkeypatch.undo()

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from hilore_verl.integration.actor.batch import chunks
 from hilore_verl.loss import skip
 from hilore_verl.training.host import SingleProcess
 from hilore_verl.tiny.models import save_tiny_model
@@ -148,7 +149,7 @@ def _form_on_ranks(zeros, lengths, split):
 
 
 def test_ranks_run_the_same_number_of_micro_batches():
-    split = lambda kept, at_least: skip.chunks(kept, 2, at_least)  # noqa: E731
+    split = lambda kept, at_least: chunks(kept, 2, at_least)  # noqa: E731
     zeros = [[True] * 8, [True, False] * 4, [False] * 8]  # 100%, 50%, 0% skipped
     lengths = [[5, 3, 7, 2, 9, 4, 6, 8]] * 3
     layouts = _form_on_ranks(zeros, lengths, split)
@@ -162,14 +163,14 @@ def test_ranks_run_the_same_number_of_micro_batches():
 
 
 def test_nothing_skipped_anywhere_leaves_the_split_to_the_framework():
-    split = lambda kept, at_least: skip.chunks(kept, 2, at_least)  # noqa: E731
+    split = lambda kept, at_least: chunks(kept, 2, at_least)  # noqa: E731
     layouts = _form_on_ranks([[False] * 4, [False] * 4], [[3] * 4] * 2, split)
     assert [(x.micro_batches, x.total_sequences, x.total_tokens) for x in layouts] == [(None, 8, 24)] * 2
     assert skip.form([False, False], [3, 4], split, SingleProcess()).micro_batches is None
 
 
 def test_a_rank_too_short_to_pair_turns_the_skip_off_everywhere():
-    split = lambda kept, at_least: skip.chunks(kept, 1, at_least)  # noqa: E731
+    split = lambda kept, at_least: chunks(kept, 1, at_least)  # noqa: E731
     zeros = [[False, False, False, False], [False, True]]  # rank 1: one kept; 4 micro-batches wanted
     layouts = _form_on_ranks(zeros, [[3] * 4, [3, 3]], split)
     assert layouts[1].fillers == 3 and len(layouts[1].micro_batches) == 4  # padded with its skipped one
@@ -182,7 +183,7 @@ def test_chunks_respect_the_micro_batch_size():
     for n in range(1, 12):
         for size in (1, 2, 3, 5):
             for at_least in (1, 3, 20):
-                parts = skip.chunks(list(range(n)), size, at_least)
+                parts = chunks(list(range(n)), size, at_least)
                 assert sum(parts, []) == list(range(n)) and all(1 <= len(p) <= size for p in parts)
                 assert len(parts) == min(n, max(-(-n // size), at_least))
 

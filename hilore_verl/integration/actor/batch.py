@@ -8,6 +8,7 @@ loss coefficients c_t (what verl's loss multiplies each log-prob's gradient by) 
     padded(data, "advantages")              # [B, T] (nested: padded with zeros)
     sequence_lengths(data)                  # tokens per sequence
     zero_exposure(data)                     # per sequence: no advantage anywhere; and its tokens
+    chunks(index, size, at_least)           # verl's fixed-size split of sequences `index`
     terms = LossTerms(vocab)                # vocab(): the model's vocabulary size (the entropy bound)
     terms.actor_config = config             # verl's actor config (the engine's, or the bound ppo_loss's)
     terms.check(data)                       # the mini-batch's loss inputs, once (nan / inf, negative weights)
@@ -22,16 +23,16 @@ from typing import Callable
 
 import torch
 
-from hilore_verl.loss import exposure
-from hilore_verl.integration.actor.loss import actor_exposure, loss_coefficients
+from hilore_verl.integration.actor.loss import actor_exposure, check_values, loss_coefficients
+from hilore_verl.integration.actor.loss import padded as padded_tensor
 from verl.workers.utils.padding import no_padding_2_padding
 
 LOSS_INPUTS = ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
 
 
 def padded(data, key):
-    """A field of verl's batch as a padded tensor (nested: padded with zeros, `exposure.padded`)."""
-    return exposure.padded(key, data[key])
+    """A field of verl's batch as a padded tensor (nested: padded with zeros, `loss.padded`)."""
+    return padded_tensor(key, data[key])
 
 
 def sequence_lengths_tensor(data) -> torch.Tensor:
@@ -55,6 +56,20 @@ def zero_exposure(data) -> tuple[list[bool], list[int]]:
     moved = ((advantages != 0) & mask).any(-1)
     both = torch.stack([moved.to(torch.long), lengths.to(device=moved.device, dtype=torch.long)]).tolist()
     return [not m for m in both[0]], both[1]
+
+
+def chunks(index: list[int], size: int, at_least: int) -> list[list[int]]:
+    """`index` in order, in max(ceil(len / size), at_least) near-equal parts of at most `size` (at most
+    len(index) parts): verl's split of a fixed micro-batch size (`micro_batch_size_per_gpu`), which the
+    engine runs where it splits the sequences itself (the zero-exposure skip's kept ones)."""
+    count = min(len(index), max(-(-len(index) // size), at_least))
+    base, extra = divmod(len(index), count)
+    out, start = [], 0
+    for k in range(count):
+        end = start + base + (k < extra)
+        out.append(index[start:end])
+        start = end
+    return out
 
 
 def vocab_size(model_config, module) -> int | None:
@@ -84,7 +99,7 @@ class LossTerms:
             return
         tensors = {k: padded(data, k) for k in LOSS_INPUTS if k in data}
         names = {"old_log_probs": "old_log_prob"}
-        exposure.check_values(padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
+        check_values(padded(data, "response_mask"), **{names.get(k, k): t for k, t in tensors.items()})
 
     def coefficients(self, micro_batch, log_prob=None) -> torch.Tensor:
         """Loss coefficients of a micro-batch: predicted (on-policy) without log_prob, exact with it (its

@@ -38,7 +38,7 @@ from hilore_verl.integration.actor.collectives import collectives_for
 from hilore_verl.integration.actor.compile_workers import limit_compile_workers
 from hilore_verl.integration.actor.controller_file import read_controller_state, write_controller_state
 from hilore_verl.integration.actor.device_memory import compute_device
-from hilore_verl.integration.actor.batch import LossTerms, vocab_size, zero_exposure
+from hilore_verl.integration.actor.batch import LossTerms, chunks, vocab_size, zero_exposure
 from hilore_verl.integration.actor.passes import VerlPasses
 from hilore_verl.integration.actor.loss import batch_skip_refusal, skip_refusal
 from hilore_verl.integration.actor.shared_check import self_check
@@ -225,7 +225,7 @@ class HiLoReFSDPEngine(FSDPEngineWithLMHead):
         if parts is not None:
             return parts
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            return skip.chunks(kept, int(data["micro_batch_size_per_gpu"]), at_least)
+            return chunks(kept, int(data["micro_batch_size_per_gpu"]), at_least)
         sub = tu.index_select_tensor_dict(data, kept)
         sp = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
         _, parts = rearrange_micro_batches(sub, max_token_len=data["max_token_len_per_gpu"] * sp, dp_group=None,

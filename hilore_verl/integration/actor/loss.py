@@ -4,7 +4,8 @@ verl's `ppo_loss` is called as the engine calls it, on a synthetic no-padding la
 its response slice is exactly `log_prob`; autograd with respect to that tensor alone gives c. No
 model runs. Every registered policy-loss mode, aggregation mode, KL type and IS-weight setting is
 therefore covered as verl defines it, including modes added later. The entropy bonus is not part
-of c: it depends on the logits (see `hilore_verl.loss.exposure`).
+of c: it depends on the logits (see `hilore_verl.loss.exposure`). verl's loss inputs are padded and
+checked here (`padded`, `check_inputs`, `check_values`: shapes, config, nan / inf in one read).
 """
 
 from __future__ import annotations
@@ -21,7 +22,49 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from hilore_verl.loss import exposure
-from hilore_verl.loss.exposure import check_inputs, padded
+
+
+def padded(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as a padded tensor (a nested one padded with zeros; None stays None); `name` for the error."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    return torch.nested.to_padded_tensor(t, 0.0) if t.is_nested else t
+
+
+def check_inputs(log_prob, old_log_prob, advantages, response_mask, actor_config, rollout_is_weights, ref_log_prob,
+                 values: bool = True):
+    """Shapes and config (on the host); with `values`, also nan / inf on response tokens and negative
+    IS weights: every flag is computed on the tensors' device and read in one transfer."""
+    named = (("log_prob", log_prob), ("old_log_prob", old_log_prob), ("advantages", advantages),
+             ("rollout_is_weights", rollout_is_weights), ("ref_log_prob", ref_log_prob))
+    shape = response_mask.shape
+    for name, t in named:
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, response_mask has {tuple(shape)}: they must agree")
+    if getattr(actor_config, "use_kl_loss", False) and ref_log_prob is None:
+        raise ValueError("ref_log_prob is required: the actor config has use_kl_loss=True")
+    if values:
+        check_values(response_mask, **{name: t for name, t in named if t is not None})
+
+
+def check_values(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Raise ValueError if a tensor holds nan or inf on response tokens, or rollout_is_weights is
+    negative there. Padded (B, T) tensors of one shape; one read of device data for all of them."""
+    mask = response_mask.bool()
+    flags, messages = [], []
+    for name, t in tensors.items():
+        flags.append((~torch.isfinite(t) & mask).any())
+        messages.append(f"{name} holds nan or inf on response tokens: nothing is computed from it")
+        if name == "rollout_is_weights":
+            flags.append(((t < 0) & mask).any())
+            messages.append("rollout_is_weights must be >= 0")
+    if not flags:
+        return
+    for bad, message in zip(torch.stack(flags).tolist(), messages):
+        if bad:
+            raise ValueError(message)
 
 
 def policy_loss_modes() -> list[str]:
@@ -122,16 +165,17 @@ def actor_exposure(c: torch.Tensor, response_mask: torch.Tensor, actor_config, v
     in the same view as c (`global_batch_info` as given to `loss_coefficients`); `vocab_size` is
     then required. With entropy_coeff 0 this is `exposure.summarize(c, response_mask)`.
     """
-    c, response_mask = exposure.padded("c", c), exposure.padded("response_mask", response_mask)
+    c, response_mask = padded("c", c), padded("response_mask", response_mask)
     coeff = float(getattr(actor_config, "entropy_coeff", 0.0) or 0.0)
-    if not coeff:
-        return exposure.summarize(c, response_mask)
-    if not vocab_size or vocab_size < 2:
-        raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
-    info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
-    info.update(global_batch_info or {})
-    weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
-    return exposure.summarize(c, response_mask, entropy_coeff=coeff, entropy_weights=weights, vocab_size=vocab_size)
+    entropy = {}
+    if coeff:
+        if not vocab_size or vocab_size < 2:
+            raise ValueError(f"vocab_size is required (>= 2) for the entropy bound: entropy_coeff is {coeff}")
+        info = {"loss_scale_factor": getattr(actor_config, "loss_scale_factor", None)}
+        info.update(global_batch_info or {})
+        weights = aggregation_weights(response_mask, actor_config.loss_agg_mode, info).to(c.dtype)
+        entropy = {"entropy_coeff": coeff, "entropy_weights": weights, "vocab_size": vocab_size}
+    return exposure.summarize(c, response_mask, **entropy)
 
 
 # Policy-loss modes whose per-token loss is the advantage times a function of that token's (and its own
