@@ -244,7 +244,7 @@ def _plans_on_rank(rank, world_size):
     session.controller = ctl
 
     def begin(micro_batches):
-        session._begin(micro_batches, tokens=lambda mb: mb[1])
+        session._begin(micro_batches, [mb[1] for mb in micro_batches])
 
     local = [0.0, 0.5] if rank == 0 else [0.8, 0.0]  # different local data on each rank
     begin([(local[0], tokens - 7 * rank), (local[1], tokens)])
