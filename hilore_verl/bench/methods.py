@@ -104,7 +104,8 @@ def build(name: str, config: BenchConfig, batch: dict[str, torch.Tensor], budget
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         method.runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=16384))
         plan = method.runtime.checkpoint_plan() if RUNTIME_ONLY[name] == "gc" else hilore_verl.Plan(default="keep")
-        method.runtime.set_plan(plan)  # measured: every forward through the runtime's hooks, never hands-off
+        # as training runs a plan (no byte accounting), every forward through the runtime's hooks, never hands-off
+        method.runtime.set_plan(plan, measure=False, hands_off=False)
     return method
 
 

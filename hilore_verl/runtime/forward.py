@@ -38,16 +38,21 @@ class Forward:
     # storage made outside units -> (the unit that adopted it or None, whether it is held exact as a recomputed
     # call's input): saving._adopted
     adopted: LiveKeyMap = field(default_factory=LiveKeyMap)
-    stats: StepStats | None = None
+    stats: StepStats | None = None  # None: a forward nobody reads the byte accounting of (Runtime.set_plan)
     rerun: dict = field(default_factory=dict)  # module (or block) -> whether it runs again in backward
     region: Region | None = None  # the region being recorded
     top: CallRecord | None = None  # a block region's own code
     tail: RecoveryUnit | None = None  # the head, once its outermost call returned: code after it is its own
     inputs_of: RecoveryUnit | None = None  # a standalone `call`'s unit: its inputs made outside it are its own
     rows_needed: bool = field(init=False)  # a unit compresses: calls note their row shapes (saving.is_row_statistic)
+    # per unit: kept, in a forward that counts nothing and notes no rows (no stats, no unit compresses): a save
+    # in its call that no other mode owns is kept as it is, without the other checks (saving.pack)
+    plain_keep: list[bool] = field(init=False)
 
     def __post_init__(self):
         self.rows_needed = any(p.mode == Mode.COMPRESS for p in self.plans)
+        plain = self.stats is None and not self.rows_needed
+        self.plain_keep = [plain and p.mode == Mode.KEEP for p in self.plans]
 
     def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> None:
         """`t` was made by `unit`'s call `record` (None: outside every unit); the first producer wins
@@ -58,9 +63,21 @@ class Forward:
             return
         self.registry[ptr] = Entry(unit, record, locator, weakref.ref(t))
 
+    def counter(self, saved: bool):
+        """How a save (`saved`) or a tensor held only for a recompute is counted: `StepStats.add` or
+        `add_held`, or not at all in a forward without stats."""
+        if self.stats is None:
+            return uncounted
+        return self.stats.add if saved else self.stats.add_held
+
     def lookup(self, t: torch.Tensor) -> Entry | None:
         """Who made `t`'s storage in this forward (None: not registered, or its tensor is gone)."""
         entry = self.registry.get(storage_id(t))
         if entry is None:
             return None
         return entry if entry.anchor() is not None else None
+
+
+def uncounted(*args, **kwargs) -> None:
+    """A count in a forward without stats: nothing counted (the counted-at value is None)."""
+    return None

@@ -50,6 +50,7 @@ class Runtime:
         self._reruns = Reruns(units, self._module_unit)
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
         self._hands_off = False  # every unit kept under a training plan: forwards run as the plain model's
+        self._measure = True  # forwards count the bytes they save (`stats()`); set_plan(measure=False): not
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
         self._fwd: Forward | None = None
@@ -62,14 +63,17 @@ class Runtime:
         self.attached = False
 
     # ------------------------------------------------------------------ public API
-    def set_plan(self, plan: Union[Plan, Mapping[str, PlanValue]], measure: bool = True) -> None:
+    def set_plan(self, plan: Union[Plan, Mapping[str, PlanValue]], measure: bool = True,
+                 hands_off: bool = True) -> None:
         """Swap the plan; takes effect at the next forward. Raises ValueError, leaving the old plan, on bad input.
 
-        `measure=False` (a training plan, whose byte accounting nobody reads): a plan that keeps every unit
-        then runs its forwards without the runtime's saved-tensor hooks and call records, as the plain
-        model does, and a plan that is exactly HF gradient checkpointing (every unit of each layer whose
-        checkpointing `attach` took over recomputed, every other unit kept) runs as HF checkpointing,
-        also without the runtime (`stats()` still describes the last forward that was measured)."""
+        `measure=False` (a training plan, whose byte accounting nobody reads): forwards count no bytes
+        (`stats()` still describes the last forward that was measured), and, with `hands_off`, a plan that
+        keeps every unit runs its forwards without the runtime's saved-tensor hooks and call records, as
+        the plain model does, and a plan that is exactly HF gradient checkpointing (every unit of each
+        layer whose checkpointing `attach` took over recomputed, every other unit kept) runs as HF
+        checkpointing, also without the runtime. `hands_off=False` runs those plans through the runtime
+        too (what its hooks cost, measured against the plain runs)."""
         resolved = Plan.of(plan).resolve([u.name for u in self.units])
         for unit, unit_plan in zip(self.units, resolved):
             if unit_plan.mode == Mode.COMPRESS and self._hidden_size and self._hidden_size % unit_plan.group_size:
@@ -80,8 +84,9 @@ class Runtime:
         checkpoint = self.checkpoint_plan()
         as_checkpoint = checkpoint is not None and all(
             p == checkpoint[u.name] for u, p in zip(self.units, resolved))
-        self._hands_off = not measure and (as_checkpoint or all(p.mode == Mode.KEEP for p in resolved))
-        self._installed.checkpointing(not measure and as_checkpoint)
+        self._measure = measure
+        self._hands_off = not measure and hands_off and (as_checkpoint or all(p.mode == Mode.KEEP for p in resolved))
+        self._installed.checkpointing(not measure and hands_off and as_checkpoint)
 
     def checkpoint_plan(self) -> dict[str, UnitPlan] | None:
         """The plan that is exactly HF gradient checkpointing as the model had it before `attach` (each unit
@@ -136,8 +141,9 @@ class Runtime:
         return self.saving.check_waits.n
 
     def stats(self) -> RuntimeStats:
-        """Bytes per unit for the last grad-enabled forward: what saved tensors would take, what is stored
-        (pending inf / nan checks settled first), and the offload pools' host bytes."""
+        """Bytes per unit for the last grad-enabled forward measured (`set_plan`'s `measure`): what saved
+        tensors would take, what is stored (pending inf / nan checks settled first), and the offload pools'
+        host bytes."""
         return self.saving.settled_stats()
 
     def reset(self) -> None:
@@ -203,7 +209,7 @@ class Runtime:
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self.saving.compressions = 0
-        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units),
+        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if self._measure else None,
                              rerun=self._reruns.of(self._plans))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self.saving.pack, unpack))
@@ -213,8 +219,9 @@ class Runtime:
         if self.saving.checks:
             self.saving.settle_checks(wait=False)
         try:
-            summary = fwd.stats.summary(fwd.plans)  # now, while the held tensors are alive
-            self._last = self._last.merged(summary) if merge else summary
+            if fwd.stats is not None:
+                summary = fwd.stats.summary(fwd.plans)  # now, while the held tensors are alive
+                self._last = self._last.merged(summary) if merge else summary
         finally:
             self.reset()
 
@@ -289,7 +296,11 @@ class Runtime:
 
     def _exit(self, fn, output) -> None:
         fwd = self._fwd
-        depth = next((i for i in range(len(fwd.frames) - 1, -1, -1) if fwd.frames[i].module is fn), None)
+        frames = fwd.frames
+        if frames and frames[-1].module is fn:  # the innermost call, as every call that did not fail
+            depth = len(frames) - 1
+        else:
+            depth = next((i for i in range(len(frames) - 1, -1, -1) if frames[i].module is fn), None)
         if depth is None:  # its pre-hook failed before the frame opened; the forward is failing
             return
         record = fwd.frames[depth]
@@ -375,7 +386,7 @@ class Runtime:
         outer, self._replay = self._replay, replay
         try:
             with self._unit_hooks_for_recompute():
-                rerun(region, replay, self.saving.pack, unpack)
+                rerun(region, replay, replay.pack, unpack)  # the re-run's saves are the replay's
         finally:
             self._replay = outer
 

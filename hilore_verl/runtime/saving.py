@@ -30,6 +30,7 @@ from hilore_verl.runtime.records import (Checked, Compressed, Kept, VersionWatch
                                          storage_id, storage_key)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KEEP_MODE, COMPRESS_MODE, RECOMPUTE_MODE = Mode.KEEP, Mode.COMPRESS, Mode.RECOMPUTE  # compared by identity in pack
 # exact copies held beside their payloads while inf / nan checks are on their way to the host, at most
 PENDING_EXACT_BYTES = 256 * 2**20
 PAD = 128  # a statistic's token dim may be padded by less than this (SDPA's efficient kernel: to 32)
@@ -107,26 +108,38 @@ def parameter_kind(t: torch.Tensor) -> str | None:
     """"leaf": a parameter or a view of one (static memory); "copy": an autocast cast of one or a view
     of that (a linear under autocast saves the transposed view of its weight's bf16 cast); None:
     anything else. Neither kind grows with tokens or is ever compressed."""
-    if t._base is not None:
-        t = t._base  # a view's storage is its base's
+    base = t._base
+    if base is not None:
+        t = base  # a view's storage is its base's
     # a plain tensor is never a parameter: only a subclass carries Parameter's flag (`isinstance` on
-    # Parameter runs a Python metaclass check: a tenth of a save's hook time, where most saves are plain)
-    if type(t) is nn.Parameter or (type(t) is not torch.Tensor and isinstance(t, nn.Parameter)):
+    # Parameter runs a Python metaclass check, where most saves are plain tensors)
+    if type(t) is not torch.Tensor and isinstance(t, nn.Parameter):
         return "leaf"
     fn = t.grad_fn
-    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+    if type(fn) is _TO_COPY:
         nxt = fn.next_functions
-        if nxt and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad":
+        if nxt and type(nxt[0][0]) is _ACCUMULATE_GRAD:
             return "copy"
     return None
+
+
+def _cast_nodes() -> tuple[type, type]:
+    """The autograd node types of a cast of a leaf: (ToCopyBackward0, AccumulateGrad)."""
+    with torch.enable_grad():
+        fn = torch.zeros(1, requires_grad=True).to(torch.float64).grad_fn
+    return type(fn), type(fn.next_functions[0][0])
+
+
+_TO_COPY, _ACCUMULATE_GRAD = _cast_nodes()
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:
     return parameter_kind(t) is not None
 
 
-def unpack(x):
-    return x if isinstance(x, torch.Tensor) else x.get()
+def unpack(held):
+    """The saved-tensor unpack hook: every holder `pack` returns hands its tensor out with `get`."""
+    return held.get()
 
 
 class SavedTensors:
@@ -148,33 +161,24 @@ class SavedTensors:
                 and t.numel() * t.element_size() >= self.min_bytes and not is_parameter_like(t))
 
     def pack(self, t: torch.Tensor):
-        if self.rt._replay is not None:
-            return self.rt._replay.pack(t)
+        """The saved-tensor pack hook of a forward (a re-run's saves go to `Replay.pack`). Every save
+        passes here, so the common one (a float activation, made by a unit) takes the fewest steps."""
         fwd = self.rt._fwd
         frame = fwd.frames[-1] if fwd.frames else None
         own_index = None
         if frame is not None:
             own_index = frame.own_count
-            frame.own_count += 1
+            frame.own_count = own_index + 1
         if t.is_nested:
             return Kept(t)
-        kind = parameter_kind(t)
-        if kind == "copy" and frame is not None and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE:
-            # a weight copy made inside a recomputed call: its re-run makes it again (never compressed)
-            return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
-        small = t.numel() * t.element_size() < self.min_bytes
-        if (not kind and not small and t.dtype not in FLOAT_DTYPES and frame is not None
-                and fwd.plans[frame.unit.index].mode == Mode.RECOMPUTE):
-            # an integer or bool tensor (MoE routing indices, masks) saved inside a recomputed call: its
-            # re-run makes it again; not counted as the unit's saved bytes (stats count them as index bytes)
-            return frame.drop(("own", own_index), None, VersionWatch(t))
-        if kind or t.dtype not in FLOAT_DTYPES or small:
-            leaf = kind == "leaf"
-            kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
-            # the stats watch what lives as long as the graph; a weight copy is its call's unit's
-            fwd.stats.add_unmanaged(kept.tensor, leaf, frame.unit if kind == "copy" and frame is not None else None)
-            return kept
         entry = fwd.lookup(t)
+        if frame is not None and fwd.plain_keep[frame.unit.index]:
+            # made in this kept call (a parameter, a copy, anything) or by another kept unit: kept, as below
+            if entry is None or (entry.unit is not None and fwd.plain_keep[entry.unit.index]):
+                return Kept(t)
+        kind = parameter_kind(t)
+        if kind is not None or t.dtype not in FLOAT_DTYPES or t.nbytes < self.min_bytes:
+            return self._unmanaged(t, kind, frame, own_index, fwd)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
             geometry = geometry_of(t, entry.anchor()) if record is not None else None
@@ -186,26 +190,47 @@ class SavedTensors:
             if frame.rows is None:
                 frame.rows = RowShapes()
             frame.rows.note(t.shape)
-        if unit is None and fwd.inputs_of is not None:
+        if unit is None:
+            return self._outside_units(t, entry, frame, own_index, fwd)
+        return self._store(t, unit, record, locator, geometry, fwd)
+
+    def _unmanaged(self, t: torch.Tensor, kind: str | None, frame, own_index, fwd):
+        """A parameter, a weight copy, or a non-float or small tensor: kept as it is, except what a
+        recomputed call's re-run makes again."""
+        if frame is not None and fwd.plans[frame.unit.index].mode is RECOMPUTE_MODE:
+            if kind == "copy":  # a weight copy made inside a recomputed call (never compressed)
+                return self._store(t, frame.unit, frame, ("own", own_index), None, fwd)
+            if kind is None and t.dtype not in FLOAT_DTYPES and t.nbytes >= self.min_bytes:
+                # an integer or bool tensor (MoE routing indices, masks): not counted as the unit's saved
+                # bytes (stats count them as index bytes)
+                return frame.drop(("own", own_index), None, VersionWatch(t))
+        leaf = kind == "leaf"
+        kept = Kept(t, alias=not leaf)  # a parameter is a leaf: no cycle to break
+        if fwd.stats is not None:  # they watch what lives as long as the graph; a weight copy is its call's unit's
+            fwd.stats.add_unmanaged(kept.tensor, leaf, frame.unit if kind == "copy" and frame is not None else None)
+        return kept
+
+    def _outside_units(self, t: torch.Tensor, entry, frame, own_index, fwd):
+        """A float tensor made outside every unit (or before this forward)."""
+        if fwd.inputs_of is not None:
             # an input of a standalone call, made before it (in the closed forward): the call's unit owns
             # the save, kept exact in every mode (the call cannot make it again): counted as pinned, so the
             # planner reserves no backward transient for it and no codec saving
             return self._keep(t, fwd.inputs_of, fwd, pinned=True)
-        if unit is None and fwd.tail is not None:
+        if fwd.tail is not None:
             # the model's own code after the head (Gemma-2's final logit soft-cap): the head's, kept or
             # compressed as its plan says; it cannot run again, so under recompute it is kept
-            if fwd.plans[fwd.tail.index].mode == Mode.RECOMPUTE:
+            if fwd.plans[fwd.tail.index].mode is RECOMPUTE_MODE:
                 return self._keep(t, fwd.tail, fwd)
             return self._store(t, fwd.tail, None, None, None, fwd)
-        if unit is None and entry is not None and frame is not None:
+        if entry is not None and frame is not None:
             held = self._adopted(t, frame, own_index, fwd)
             if held is not None:
                 return held
-        if unit is None:
-            kept = Kept(t)
+        kept = Kept(t)
+        if fwd.stats is not None:
             fwd.stats.add_unmanaged(kept.tensor, False)
-            return kept
-        return self._store(t, unit, record, locator, geometry, fwd)
+        return kept
 
     def _adopted(self, t: torch.Tensor, frame, own_index, fwd):
         """How `t`, made outside every unit (the residual stream, rotary tables) and saved by `frame`'s
@@ -234,20 +259,21 @@ class SavedTensors:
     def _keep(t, unit, fwd, pinned: bool = False) -> Kept:
         """Hold `t` exact as `unit`'s saved tensor, whatever the unit's mode."""
         kept = Kept(t)
-        fwd.stats.add(unit, storage_key(t), kept.tensor, stored=t.numel() * t.element_size(), pinned=pinned)
+        if fwd.stats is not None:
+            fwd.stats.add(unit, storage_key(t), kept.tensor, stored=t.numel() * t.element_size(), pinned=pinned)
         return kept
 
     def _store(self, t, unit, record, locator, geometry, fwd, saved: bool = True):
         """Hold `t` by its producer unit's mode. `saved`: autograd saves it (else the runtime holds it
         only to re-run a call later; counted as held, not saved)."""
         plan = fwd.plans[unit.index]
-        key = storage_key(t)
-        count = fwd.stats.add if saved else fwd.stats.add_held
-        if plan.mode == Mode.KEEP:
+        if plan.mode is KEEP_MODE:
             kept = Kept(t)
-            count(unit, key, kept.tensor, stored=t.numel() * t.element_size())
+            if fwd.stats is not None:
+                fwd.counter(saved)(unit, storage_key(t), kept.tensor, stored=t.numel() * t.element_size())
             return kept
-        if plan.mode == Mode.COMPRESS:
+        if plan.mode is COMPRESS_MODE:
+            key = storage_key(t)
             rows = fwd.frames[-1].rows if saved and fwd.frames else None
             statistic = is_row_statistic(t, rows)
             if (not statistic and saved and locator is not None and locator[0] == "own" and not t.requires_grad
@@ -257,9 +283,10 @@ class SavedTensors:
                     record.undecided = []
                 record.undecided.append(undecided)
                 return undecided
-            return self._compress(t, unit, key, plan, statistic, count, saved, fwd)
+            return self._compress(t, unit, key, plan, statistic, fwd.counter(saved), saved, fwd)
         handle = record.drop(locator, geometry, VersionWatch(t))
-        count(unit, key, t, stored=0)
+        if fwd.stats is not None:
+            fwd.counter(saved)(unit, storage_key(t), t, stored=0)
         return handle
 
     def decide(self, record, fwd) -> None:
@@ -267,7 +294,7 @@ class SavedTensors:
         for undecided in record.undecided:
             t, plan = undecided.tensor, fwd.plans[record.unit.index]
             held = self._compress(t, record.unit, undecided.key, plan, is_row_statistic(t, record.rows),
-                                  fwd.stats.add, True, fwd, undecided.watch)
+                                  fwd.counter(True), True, fwd, undecided.watch)
             if isinstance(held, Kept):
                 held.version = undecided.kept.version  # an in-place change since the save is still caught
             undecided.held = held
@@ -349,7 +376,8 @@ class SavedTensors:
         entry = self.rt._fwd.lookup(t) if self._managed(t) else None
         if entry is None or entry.unit is None or entry.record is None:
             kept = Kept(t, alias=not isinstance(t, nn.Parameter))
-            self.rt._fwd.stats.add_unmanaged_held(kept.tensor)
+            if self.rt._fwd.stats is not None:
+                self.rt._fwd.stats.add_unmanaged_held(kept.tensor)
             if entry is not None and entry.unit is None:  # a later save by a compressed unit shares it
                 adopted, key = self.rt._fwd.adopted, (storage_id(t),)
                 owner, _ = adopted.get(key) or (None, False)
