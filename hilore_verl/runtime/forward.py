@@ -18,7 +18,7 @@ from hilore_verl.runtime.stats import StepStats
 from hilore_verl.model.units import RecoveryUnit
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """A registered boundary tensor: who produced it and where to find it again."""
     unit: RecoveryUnit | None  # None: produced outside every unit (embedding, rotary tables, residual stream)
