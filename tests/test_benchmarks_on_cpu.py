@@ -30,7 +30,8 @@ def _script(name: str, *args: str, timeout: int = 300) -> str:
 
 
 def test_every_benchmark_script_is_tested_here():
-    tested = {"peak_model.py", "solver_time.py", "codec_bandwidth.py", "gc_overhead_malloc.py", "plan_peak.py"}
+    tested = {"peak_model.py", "solver_time.py", "codec_bandwidth.py", "gc_overhead_malloc.py", "plan_peak.py",
+              "hook_floor.py"}
     assert {p.name for p in BENCHMARKS.glob("*.py")} == tested
 
 
@@ -68,5 +69,13 @@ def test_plan_peak_reads_a_bench_report_and_prints_a_peak(tmp_path):
     assert re.search(r"[0-9.]+ MiB", out), out
 
 
+def test_hook_floor_prints_both_rows_against_no_gc():
+    out = _script("hook_floor.py", "--rounds", "2", *TINY, "--response-len", "16")
+    ratios = re.findall(r"(bare_hooks|runtime_keep) +([0-9.]+)x \[([0-9.]+), ([0-9.]+)\]", out)
+    assert [name for name, *_ in ratios] == ["bare_hooks", "runtime_keep"], out
+    assert all(0.3 < float(mean) < 3 for _, mean, _, _ in ratios), out
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+

@@ -58,8 +58,10 @@ def summarize(report: dict) -> dict:
                     out["hilore_vs_best_other"] = ok[best]["step_s"] / t_h
                     out["hilore_vs_best_other_ci"] = _paired(ok, best, "hilore")
             first = ok["hilore"].get("first_step", {})
-            if "seconds" in first:  # profiling + calibration + one update, against a GC step in that process
-                out["hilore_first_step_vs_gc_step"] = first["seconds"] / first["gc_step_s"]
+            if "seconds" in first:  # profiling + calibration + one update, against a GC step: the faster of the
+                # one timed in that process and the rounds' mean (that process's step has run 2.3x the rounds'
+                # mean: a slow denominator there would flatter the ratio)
+                out["hilore_first_step_vs_gc_step"] = first["seconds"] / min(first["gc_step_s"], t_gc)
                 if "peak_bytes" in ok["gc"]:
                     out["hilore_first_step_peak_vs_gc"] = first["peak_bytes"] / ok["gc"]["peak_bytes"]
             out["hilore_grad_cosine"] = ok["hilore"].get("grad_cosine")
@@ -238,7 +240,8 @@ def _summary_lines(s: dict) -> list[str]:
     if "hilore_first_step_peak_vs_gc" in s:
         lines.append(f"HiLoRe's first step (profiling, calibration, one update; fresh processes: its time with the "
                      f"kernels' caches on, as in training, its peak as the peak rows measure): "
-                     f"{s['hilore_first_step_vs_gc_step']:.2f}x a GC step's time (target <= 3), "
+                     f"{s['hilore_first_step_vs_gc_step']:.2f}x a GC step's time (the faster of the rounds' and "
+                     f"one timed beside it; target <= 3), "
                      f"{s['hilore_first_step_peak_vs_gc']:.3f}x GC's peak (target <= 1.10)")
     if "hilore_vs_best_other" in s:
         lines.append(f"HiLoRe vs the fastest other method within 1.10x GC's peak ({s['best_other_within_budget']}): "
