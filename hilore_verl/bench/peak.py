@@ -22,6 +22,7 @@ is the plan the parent timed (a fresh trial would run the hands-off baseline on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -58,6 +59,25 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
     else:
         built = M.build(method, config, batch)
     built.step(batch)  # warm-up (and the allocator's first touch)
+    # what a training plan holds is counted in these steps (runtime_held_bytes below)
+    with built.runtime.measured() if built.runtime is not None else contextlib.nullcontext():
+        before, peak, tensors = _peak_steps(built, batch, cuda)
+    held = None
+    if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
+        stats = built.runtime.stats()
+        held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
+    c = built.controller
+    arm = c.arms.label if c is not None else None  # the timed row's arm, held
+    plan = spelled(c.history[-1].plan) if c is not None and c.history else None  # the plan measured here
+    return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
+            "arm": arm, "plan": plan, "tensor_peak_kib": tensors}
+
+
+def _peak_steps(built, batch, cuda: bool) -> tuple[int, int, int | None]:
+    """(KiB before, KiB at the peak of one step, the bytes tensors held at most in one more step on the
+    CPU, in KiB): CUDA's allocator peak, or the kernel's high-water mark after resetting it."""
+    import torch
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() // 1024
@@ -75,15 +95,7 @@ def measure(method: str, config_json: str, state_path: str | None) -> dict:
 
         alive = state_bytes(built.model, built.optimizer)
         tensors = (alive + allocations(lambda: built.step(batch)).peak) // 1024
-    held = None
-    if built.runtime is not None and not built.runtime.hands_off:  # a hands-off forward measures nothing
-        stats = built.runtime.stats()
-        held = stats.stored_bytes + stats.unmanaged_bytes + stats.index_bytes
-    c = built.controller
-    arm = c.arms.label if c is not None else None  # the timed row's arm, held
-    plan = spelled(c.history[-1].plan) if c is not None and c.history else None  # the plan measured here
-    return {"base_kib": base, "codec_code_kib": code, "rest_kib": before, "peak_kib": peak, "runtime_held_bytes": held,
-            "arm": arm, "plan": plan, "tensor_peak_kib": tensors}
+    return before, peak, tensors
 
 
 def _first_step(method: str, config, batch, cuda: bool) -> dict:

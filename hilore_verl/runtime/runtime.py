@@ -51,6 +51,7 @@ class Runtime:
         self._plans: list[UnitPlan] = [UnitPlan()] * len(units)
         self._hands_off = False  # every unit kept under a training plan: forwards run as the plain model's
         self._measure = True  # forwards count the bytes they save (`stats()`); set_plan(measure=False): not
+        self._measuring = 0  # open `measured()` scopes: their forwards count whatever set_plan said
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
         self._fwd: Forward | None = None
@@ -146,6 +147,16 @@ class Runtime:
         host bytes."""
         return self.saving.settled_stats()
 
+    @contextlib.contextmanager
+    def measured(self):
+        """Forwards inside count their bytes (`stats()`) whatever `set_plan`'s `measure` says: what a
+        training plan holds, for a report. A hands-off forward still runs without the runtime."""
+        self._measuring += 1
+        try:
+            yield
+        finally:
+            self._measuring -= 1
+
     def reset(self) -> None:
         """Abandon a forward that did not finish (an exception mid-forward): the next forward starts
         clean. Graphs already built keep what they hold and can still run backward."""
@@ -209,7 +220,7 @@ class Runtime:
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self.saving.compressions = 0
-        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if self._measure else None,
+        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if self._measure or self._measuring else None,
                              rerun=self._reruns.of(self._plans))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self.saving.pack, unpack))

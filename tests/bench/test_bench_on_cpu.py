@@ -261,6 +261,11 @@ def test_rows_that_isolate_the_runtime_cost_are_exact_and_summarized():
         assert {u.name: str(runtime.plan_of(u.name)) for u in runtime.units} == {
             u.name: expected(u) for u in runtime.units}
         assert "head" in {u.name for u in runtime.units}
+    # their peak process counts what the plan holds, though training forwards count nothing
+    from hilore_verl.bench.peak import measure
+
+    held = measure("runtime_recompute", json.dumps(SMALL.to_dict()), None)["runtime_held_bytes"]
+    assert held is not None and held > 0
 
 
 def test_the_packed_row_gives_the_padded_layouts_loss_and_gradient():

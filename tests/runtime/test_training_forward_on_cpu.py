@@ -55,6 +55,11 @@ def test_a_training_forward_holds_what_a_measured_forward_holds(plan):
     assert torch.equal(loss, loss0) and all(torch.equal(grads[n], g) for n, g in grads0.items())
     # nothing counted: stats() still describes the measured forward
     assert rt.stats() is measured and rt.stats().saved_bytes == measured.saved_bytes
+    with rt.measured():  # a report's count of what the training plan holds: the same bytes
+        policy_gradient_step(model)
+    counted = rt.stats()
+    assert counted is not measured
+    assert (counted.saved_bytes, counted.stored_bytes) == (measured.saved_bytes, measured.stored_bytes)
 
 
 def test_an_unmeasured_exact_plan_through_the_hooks_is_bitwise_exact():
