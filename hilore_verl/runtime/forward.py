@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from hilore_verl.runtime.plan import Mode, UnitPlan
-from hilore_verl.runtime.records import CallRecord, LiveKeyMap, Region, storage_id
+from hilore_verl.runtime.records import CallRecord, LiveKeyMap, Region, storage_id, tensor_leaves
+from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, is_parameter_like
 from hilore_verl.runtime.stats import StepStats
 from hilore_verl.model.units import RecoveryUnit
 
@@ -62,6 +63,28 @@ class Forward:
         if entry is not None and entry.anchor() is not None:
             return
         self.registry[ptr] = Entry(unit, record, locator, weakref.ref(t))
+
+    def register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index,
+                        record: CallRecord | None = None) -> None:
+        """A call's float inputs, as the j-th child inputs of their producing call; without a producer
+        they were made outside every unit (kept as they are). The block's own code has no unit: its
+        tensors go by the unit they are handed to. Their shapes are the first rows `record`'s per-row
+        statistics can describe (saving.is_row_statistic)."""
+        for path, t in tensor_leaves((args, kwargs)):
+            if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
+                if record is not None and self.rows_needed:
+                    if record.rows is None:
+                        record.rows = RowShapes()
+                    record.rows.note(t.shape)
+                if producer is None:
+                    self.register(t, None, None, None)
+                else:
+                    self.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+
+    def runs_again(self, fn, unit: RecoveryUnit) -> bool:
+        """Whether the call of `fn` (a unit module, or a block) runs again in backward."""
+        rerun = self.rerun.get(fn)
+        return rerun if rerun is not None else self.plans[unit.index].mode == Mode.RECOMPUTE
 
     def counter(self, saved: bool):
         """How a save (`saved`) or a tensor held only for a recompute is counted: `StepStats.add` or

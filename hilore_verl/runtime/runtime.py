@@ -33,7 +33,7 @@ from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_state, rerun, rng_like, rng_state
 from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors, tensor_leaves
-from hilore_verl.runtime.saving import FLOAT_DTYPES, RowShapes, SavedTensors, is_parameter_like, unpack
+from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensors, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.model.units import RecoveryUnit, find_units
 
@@ -247,7 +247,7 @@ class Runtime:
     def _block_pre(self, module, args, kwargs):
         fwd = self._fwd
         if fwd is not None and self._replay is None and fwd.region is None and fwd.rerun.get(module):
-            self._register_inputs(args, kwargs, None, None, None)  # the block's inputs: held, never dropped
+            fwd.register_inputs(args, kwargs, None, None, None)  # the block's inputs: held, never dropped
             region = fwd.region = self._open_region(module, args, kwargs)
             fwd.top = CallRecord(module, None)  # what the block's own code hands its outermost calls
             fwd.top.region = region
@@ -281,29 +281,12 @@ class Runtime:
         child_index = None
         if producer is not None:
             child_index, producer.child_count = producer.child_count, producer.child_count + 1
-        self._register_inputs(args, kwargs, producer, unit, child_index, record)
+        fwd.register_inputs(args, kwargs, producer, unit, child_index, record)
         if fwd.region is None and fwd.plans[unit.index].mode == Mode.RECOMPUTE:  # the call is its own region
             fwd.region = self._open_region(fn, args, kwargs)
         if fwd.region is not None:
             fwd.region.add(record)
         fwd.frames.append(record)
-
-    def _register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index,
-                         record: CallRecord | None = None) -> None:
-        """A call's float inputs, as the j-th child inputs of their producing call; without a producer
-        they were made outside every unit (kept as they are). The block's own code has no unit: its
-        tensors go by the unit they are handed to. Their shapes are the first rows `record`'s per-row
-        statistics can describe (saving.is_row_statistic)."""
-        for path, t in tensor_leaves((args, kwargs)):
-            if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
-                if record is not None and self._fwd.rows_needed:
-                    if record.rows is None:
-                        record.rows = RowShapes()
-                    record.rows.note(t.shape)
-                if producer is None:
-                    self._fwd.register(t, None, None, None)
-                else:
-                    self._fwd.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
 
     def _exit(self, fn, output) -> None:
         fwd = self._fwd
@@ -331,9 +314,9 @@ class Runtime:
             fwd.region = None
             return
         parent = fwd.frames[-1] if fwd.frames else None
-        if self._runs_again(fn, record.unit):
+        if fwd.runs_again(fn, record.unit):
             return
-        reached = fwd.rerun.get(("replay", fn), True) if parent is None else self._runs_again(parent.module, parent.unit)
+        reached = fwd.rerun.get(("replay", fn), True) if parent is None else fwd.runs_again(parent.module, parent.unit)
         if reached:
             # the re-run reaches this call: hand out its output instead of running it, unless part of
             # the output is itself dropped (then the call runs again); restore the RNG state after it
@@ -348,10 +331,6 @@ class Runtime:
             if not any(dropped):
                 region.replays[record.order] = held
                 region.rng_after[record.order] = rng_like(region.rng)
-
-    def _runs_again(self, fn, unit: RecoveryUnit) -> bool:
-        rerun = self._fwd.rerun.get(fn)
-        return rerun if rerun is not None else self._fwd.plans[unit.index].mode == Mode.RECOMPUTE
 
     @contextlib.contextmanager
     def tracking(self):
