@@ -6,10 +6,13 @@ Three copies of the bench's policy on its default workload (attention per packed
 paired rounds, the order rotated each round: no GC; no GC under hooks that only detach on pack and hand
 the tensor back on unpack (the least any saved-tensor hook can do); the runtime with every unit kept,
 through its hooks as training runs a plan (`runtime_keep`). Prints each one's throughput over no GC's
-with its 95% interval: the first is the floor under the second.
+with its 95% interval: the first is the floor under the second. Runs under the bench's malloc setting
+(`cli.CACHING_MALLOC`, re-executing itself once): with glibc's default every no-GC step pays page faults
+a GPU never pays, which hides part of the hooks' share.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hilore_verl.cli import CACHING_MALLOC  # noqa: E402
 from hilore_verl.bench import methods as M  # noqa: E402
 from hilore_verl.bench.actor_update import BenchConfig, make_batch  # noqa: E402
 from hilore_verl.measure.intervals import paired_ratio_ci  # noqa: E402
@@ -28,6 +32,8 @@ def bare_hooks():
 
 
 def main() -> None:
+    if sys.platform.startswith("linux") and os.environ.get("MALLOC_TRIM_THRESHOLD_") is None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CACHING_MALLOC})
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--hidden", type=int, default=512)
