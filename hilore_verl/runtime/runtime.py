@@ -220,8 +220,9 @@ class Runtime:
     def _open_forward(self, owner: str) -> None:
         self._forwards += 1
         self.saving.compressions = 0
-        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if self._measure or self._measuring else None,
-                             rerun=self._reruns.of(self._plans))
+        counted = self._measure or self._measuring > 0
+        self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if counted else None,
+                            rerun=self._reruns.of(self._plans))
         self._hook_ctx = ExitStack()
         self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self.saving.pack, unpack))
 

@@ -172,14 +172,15 @@ class SavedTensors:
             frame.own_count = own_index + 1
         if t.is_nested:
             return Kept(t)
-        entry = fwd.lookup(t)
         if frame is not None and fwd.plain_keep[frame.unit.index]:
             # made in this kept call (a parameter, a copy, anything) or by another kept unit: kept, as below
+            entry = fwd.lookup(t)
             if entry is None or (entry.unit is not None and fwd.plain_keep[entry.unit.index]):
                 return Kept(t)
         kind = parameter_kind(t)
         if kind is not None or t.dtype not in FLOAT_DTYPES or t.nbytes < self.min_bytes:
             return self._unmanaged(t, kind, frame, own_index, fwd)
+        entry = fwd.lookup(t)  # (looked up twice only where a kept call saves another mode's tensor)
         if entry is not None:
             unit, record, locator = entry.unit, entry.record, entry.locator
             geometry = geometry_of(t, entry.anchor()) if record is not None else None
