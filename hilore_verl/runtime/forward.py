@@ -55,21 +55,25 @@ class Forward:
         plain = self.stats is None and not self.rows_needed
         self.plain_keep = [plain and p.mode == Mode.KEEP for p in self.plans]
 
-    def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> None:
+    def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> Entry:
         """`t` was made by `unit`'s call `record` (None: outside every unit); the first producer wins
-        (a module may return a view of its input)."""
+        (a module may return a view of its input). Returns the entry that stands."""
         ptr = storage_id(t)
         entry = self.registry.get(ptr)
         if entry is not None and entry.anchor() is not None:
-            return
-        self.registry[ptr] = Entry(unit, record, locator, weakref.ref(t))
+            return entry
+        entry = self.registry[ptr] = Entry(unit, record, locator, weakref.ref(t))
+        return entry
 
     def register_inputs(self, args, kwargs, producer: CallRecord | None, unit, child_index,
-                        record: CallRecord | None = None) -> None:
+                        record: CallRecord | None = None) -> bool:
         """A call's float inputs, as the j-th child inputs of their producing call; without a producer
         they were made outside every unit (kept as they are). The block's own code has no unit: its
         tensors go by the unit they are handed to. Their shapes are the first rows `record`'s per-row
-        statistics can describe (saving.is_row_statistic)."""
+        statistics can describe (saving.is_row_statistic). Returns whether every one of them was made
+        outside every unit or by a unit `plain_keep` marks."""
+        plain = self.plain_keep
+        kept_made = True
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
                 if record is not None and self.rows_needed:
@@ -77,9 +81,22 @@ class Forward:
                         record.rows = RowShapes()
                     record.rows.note(t.shape)
                 if producer is None:
-                    self.register(t, None, None, None)
+                    entry = self.register(t, None, None, None)
                 else:
-                    self.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+                    entry = self.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
+                kept_made = kept_made and (entry.unit is None or plain[entry.unit.index])
+        return kept_made
+
+    def register_outputs(self, output, record: CallRecord) -> bool:
+        """The float tensors of `output`, made by `record`'s call (unless made before: a view of an input).
+        Returns whether every one of them was made outside every unit or by a unit `plain_keep` marks."""
+        plain = self.plain_keep
+        kept_made = True
+        for path, t in tensor_leaves(output):
+            if t.dtype in FLOAT_DTYPES and not t.is_nested:
+                entry = self.register(t, record.unit, record, ("out", path))
+                kept_made = kept_made and (entry.unit is None or plain[entry.unit.index])
+        return kept_made
 
     def runs_again(self, fn, unit: RecoveryUnit) -> bool:
         """Whether the call of `fn` (a unit module, or a block) runs again in backward."""

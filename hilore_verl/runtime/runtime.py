@@ -1,15 +1,15 @@
 """The recovery-unit runtime: executes a Plan on a model's saved activations. It decides nothing.
 
 Hooks, installed once by `attach` and removed by `detach`:
-  - on the root module: enter / leave a saved-tensor hook context for each grad-enabled forward;
+  - on the root module: enter / leave a saved-tensor hook context for each grad-enabled forward
+    (`runtime/hook_scope.py`: off inside the calls of a training plan where they could only keep);
   - on every unit module: forward pre/post hooks that keep a stack of call frames, record each call
     (inputs and RNG state when its unit recomputes) and register the call's inputs and outputs by
     storage, so a saved tensor is attributed to the unit that *produced* it, wherever it is saved;
   - a thin `forward` wrapper on every unit module, which during a recompute returns the output
     held for a child call instead of running it again (selective recompute).
 
-Pack and unpack (`runtime/saving.py`, `SavedTensors`, one per runtime): each saved tensor is held by its
-producer unit's mode.
+Pack and unpack (`runtime/saving.py`, `SavedTensors`, one per runtime): each save held by its producer's mode.
 Recompute (`runtime/recompute.py`): a dropped tensor's region re-runs once in backward.
 
 A forward runs under the plan in force when it started (`set_plan` during a forward applies to the
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from contextlib import ExitStack
 from typing import Mapping, Union
 
 import torch
@@ -29,11 +28,12 @@ import torch.nn as nn
 
 from hilore_verl.runtime.config import RuntimeConfig
 from hilore_verl.runtime.forward import Forward
+from hilore_verl.runtime.hook_scope import HookScope
 from hilore_verl.runtime.install import Installed
 from hilore_verl.runtime.plan import KEEP, RECOMPUTE, Mode, Plan, PlanValue, UnitPlan
 from hilore_verl.runtime.recompute import HeldInput, Replay, Reruns, autocast_state, rerun, rng_like, rng_state
-from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors, tensor_leaves
-from hilore_verl.runtime.saving import FLOAT_DTYPES, SavedTensors, unpack
+from hilore_verl.runtime.records import CallRecord, Dropped, Region, map_tensors
+from hilore_verl.runtime.saving import SavedTensors, unpack
 from hilore_verl.runtime.stats import RuntimeStats, StepStats
 from hilore_verl.model.units import RecoveryUnit, find_units
 
@@ -55,7 +55,7 @@ class Runtime:
         self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
         self._fwd: Forward | None = None
-        self._hook_ctx: ExitStack | None = None
+        self._hook_ctx: HookScope | None = None
         self._replay: Replay | None = None
         self._rehooked = False  # unit hooks re-installed for a recompute after detach
         self.saving = SavedTensors(self)  # the saved-tensor hooks and what they hold (runtime/saving.py)
@@ -223,8 +223,7 @@ class Runtime:
         counted = self._measure or self._measuring > 0
         self._fwd = Forward(plans=self._plans, owner=owner, stats=StepStats.empty(self.units) if counted else None,
                             rerun=self._reruns.of(self._plans))
-        self._hook_ctx = ExitStack()
-        self._hook_ctx.enter_context(torch.autograd.graph.saved_tensors_hooks(self.saving.pack, unpack))
+        self._hook_ctx = HookScope(self.saving.pack, unpack)
 
     def _close_forward(self, merge: bool) -> None:
         fwd = self._fwd
@@ -282,11 +281,12 @@ class Runtime:
         child_index = None
         if producer is not None:
             child_index, producer.child_count = producer.child_count, producer.child_count + 1
-        fwd.register_inputs(args, kwargs, producer, unit, child_index, record)
+        kept_made = fwd.register_inputs(args, kwargs, producer, unit, child_index, record)
         if fwd.region is None and fwd.plans[unit.index].mode == Mode.RECOMPUTE:  # the call is its own region
             fwd.region = self._open_region(fn, args, kwargs)
         if fwd.region is not None:
             fwd.region.add(record)
+        self._hook_ctx.enter(len(fwd.frames), not (kept_made and fwd.plain_keep[unit.index]))
         fwd.frames.append(record)
 
     def _exit(self, fn, output) -> None:
@@ -300,13 +300,13 @@ class Runtime:
             return
         record = fwd.frames[depth]
         del fwd.frames[depth:]  # frames above it belong to calls an exception cut short
+        self._hook_ctx.leave(depth)
         if record.undecided:
             self.saving.decide(record, fwd)
         if record.unit.layer_index is None and not fwd.frames:
             fwd.tail = record.unit  # e.g. a final logit soft-cap the model applies after lm_head
-        for path, t in tensor_leaves(output):
-            if t.dtype in FLOAT_DTYPES and not t.is_nested:
-                self._fwd.register(t, record.unit, record, ("out", path))
+        if not fwd.register_outputs(output, record):  # the caller's own code may save them: through the hooks
+            self._hook_ctx.enter(depth - 1, True)
         region = record.region
         if region is None:
             return
