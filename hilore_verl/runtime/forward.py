@@ -49,11 +49,14 @@ class Forward:
     # per unit: kept, in a forward that counts nothing and notes no rows (no stats, no unit compresses): a save
     # in its call that no other mode owns is kept as it is, without the other checks (saving.pack)
     plain_keep: list[bool] = field(init=False)
+    # per unit: kept, in a forward that counts nothing: its calls that only such units fed run without the
+    # saved-tensor hooks (hook_scope.py; `kept_made`)
+    quiet_keep: list[bool] = field(init=False)
 
     def __post_init__(self):
         self.rows_needed = any(p.mode == Mode.COMPRESS for p in self.plans)
-        plain = self.stats is None and not self.rows_needed
-        self.plain_keep = [plain and p.mode == Mode.KEEP for p in self.plans]
+        self.quiet_keep = [self.stats is None and p.mode == Mode.KEEP for p in self.plans]
+        self.plain_keep = [not self.rows_needed and keep for keep in self.quiet_keep]
 
     def register(self, t: torch.Tensor, unit: RecoveryUnit | None, record: CallRecord | None, locator) -> Entry:
         """`t` was made by `unit`'s call `record` (None: outside every unit); the first producer wins
@@ -70,9 +73,8 @@ class Forward:
         """A call's float inputs, as the j-th child inputs of their producing call; without a producer
         they were made outside every unit (kept as they are). The block's own code has no unit: its
         tensors go by the unit they are handed to. Their shapes are the first rows `record`'s per-row
-        statistics can describe (saving.is_row_statistic). Returns whether every one of them was made
-        outside every unit or by a unit `plain_keep` marks."""
-        plain = self.plain_keep
+        statistics can describe (saving.is_row_statistic). Returns whether every one of them is
+        `kept_made`."""
         kept_made = True
         for path, t in tensor_leaves((args, kwargs)):
             if t.dtype in FLOAT_DTYPES and not t.is_nested and not is_parameter_like(t):
@@ -84,18 +86,29 @@ class Forward:
                     entry = self.register(t, None, None, None)
                 else:
                     entry = self.register(t, producer.unit or unit, producer, ("child_in", child_index, path))
-                kept_made = kept_made and (entry.unit is None or plain[entry.unit.index])
+                kept_made = kept_made and self.kept_made(t, entry)
         return kept_made
+
+    def kept_made(self, t: torch.Tensor, entry: Entry) -> bool:
+        """Whether a save of `t` (registered as `entry`) in a `quiet_keep` unit's call would be kept as it
+        is, whoever saved it first: made by a `quiet_keep` unit, or outside every unit and either the input
+        of a standalone call (kept by its unit) or adopted already by a `quiet_keep` unit (saving._adopted:
+        a call without the hooks adopts nothing, which would hand the tensor to a later saver's mode)."""
+        if entry.unit is not None:
+            return self.quiet_keep[entry.unit.index]
+        if self.inputs_of is not None:
+            return True
+        owner = (self.adopted.get((storage_id(t),)) or (None,))[0]
+        return owner is not None and self.quiet_keep[owner.index]
 
     def register_outputs(self, output, record: CallRecord) -> bool:
         """The float tensors of `output`, made by `record`'s call (unless made before: a view of an input).
-        Returns whether every one of them was made outside every unit or by a unit `plain_keep` marks."""
-        plain = self.plain_keep
+        Returns whether every one of them is `kept_made`."""
         kept_made = True
         for path, t in tensor_leaves(output):
             if t.dtype in FLOAT_DTYPES and not t.is_nested:
                 entry = self.register(t, record.unit, record, ("out", path))
-                kept_made = kept_made and (entry.unit is None or plain[entry.unit.index])
+                kept_made = kept_made and self.kept_made(t, entry)
         return kept_made
 
     def runs_again(self, fn, unit: RecoveryUnit) -> bool:

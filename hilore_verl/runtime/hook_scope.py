@@ -2,13 +2,13 @@
 what they are handed.
 
 Every save of a forward passes the runtime's pack hook, and in backward its unpack hook, which reads
-the held tensor's version. In a forward that counts nothing and compresses nothing
-(`Forward.plain_keep`), a kept unit's call whose every float input was made by a kept unit or outside
-every unit ends each save in the tensor autograd would hold without hooks. For such a call the hooks
-are popped, and autograd holds the call's saves and checks their versions itself; they are pushed
-back when the call returns, or for a call inside it that needs them. They are popped only while they
-are the innermost saved-tensor hooks: a unit's own hooks (HF checkpointing inside a layer, the user's)
-stay as they are.
+the held tensor's version. In a forward that counts nothing, a kept unit's call whose every float
+input would be kept wherever it is saved (`Forward.kept_made`) ends each save in the tensor autograd
+would hold without hooks. For such a call the hooks are popped, and autograd holds the call's saves and
+checks their versions itself; they are pushed back when the call returns, for a call inside it that
+needs them, and for the rest of its own code once a call inside it returns a tensor that is not kept
+wherever it is saved. They are popped only while they are the innermost saved-tensor hooks: hooks
+pushed inside the model's forward (HF checkpointing around a layer, the user's) stay as they are.
 
     open forward          push                         on
       kept call, kept in   pop   (depth d recorded)    off

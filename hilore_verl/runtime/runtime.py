@@ -286,7 +286,7 @@ class Runtime:
             fwd.region = self._open_region(fn, args, kwargs)
         if fwd.region is not None:
             fwd.region.add(record)
-        self._hook_ctx.enter(len(fwd.frames), not (kept_made and fwd.plain_keep[unit.index]))
+        self._hook_ctx.enter(len(fwd.frames), not (kept_made and fwd.quiet_keep[unit.index]))
         fwd.frames.append(record)
 
     def _exit(self, fn, output) -> None:
