@@ -5,8 +5,9 @@
 Three copies of the bench's policy on its default workload (attention per packed sequence), timed in
 paired rounds, the order rotated each round: no GC; no GC under hooks that only detach on pack and hand
 the tensor back on unpack (the least any saved-tensor hook can do); the runtime with every unit kept,
-through its hooks as training runs a plan (`runtime_keep`). Prints each one's throughput over no GC's
-with its 95% interval: the first is the floor under the second. Runs under the bench's malloc setting
+as training runs a plan (`runtime_keep`: its unit hooks on every call, its saved-tensor hooks off inside
+kept calls that only kept units fed, runtime/hook_scope.py). Prints each one's throughput over no GC's
+with its 95% interval: the first is what a save through any hook costs. Runs under the bench's malloc setting
 (`cli.CACHING_MALLOC`, re-executing itself once): with glibc's default every no-GC step pays page faults
 a GPU never pays, which hides part of the hooks' share.
 """
