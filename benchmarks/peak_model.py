@@ -1,9 +1,10 @@
 """The memory model's predicted peak against the bytes tensors hold, for the plans of several budgets.
 
     OMP_NUM_THREADS=2 python benchmarks/peak_model.py [--budgets 1.0,1.1,1.25,1.5] [--hidden 384 --layers 6 ...]
+        [--zero-advantage-share 0.5]
 
-Builds HiLoRe's planner on the bench's workload (every response trained, attention per sequence, as
-`hilore-verl bench --zero-advantage-share 0` runs it), then for each gc_ratio budget runs the plan the
+Builds HiLoRe's planner on the bench's workload (attention per sequence, the zero-exposure sequences left
+out, as `hilore-verl bench` runs it), then for each gc_ratio budget runs the plan the
 solver chooses there through the runtime on the bench's micro-batch, starting without gradients (the
 first micro-batch after zero_grad), and prints the plan, the model's peak and the tensors' peak (the
 state the pass starts with plus the most its allocations reach: hilore_verl.measure.peak_memory.allocations).
@@ -29,9 +30,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--zero-advantage-share", type=float, default=0.5,
+                        help="share of groups with one reward, whose sequences are left out (the bench's default)")
     args = parser.parse_args()
     config = BenchConfig(hidden_size=args.hidden, num_layers=args.layers, num_groups=args.groups,
-                         max_response_len=args.response_len, zero_advantage_share=0.0, per_sequence_attention=True)
+                         max_response_len=args.response_len,
+                         zero_advantage_share=args.zero_advantage_share, per_sequence_attention=True)
     batch = make_batch(config)
     method = M.build("hilore", config, batch, BudgetConfig("gc_ratio", 1.10))
     method.step(batch)  # the optimizer's moments exist from here on

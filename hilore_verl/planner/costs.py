@@ -282,13 +282,15 @@ class CostTable:
         """The same for the forward (`forward_transient_bytes`); 0 where not measured."""
         return self._grown(self.forward_transient_bytes, self.forward_transient_fixed, tokens)
 
-    def _grown(self, value: float, fixed: float, tokens: int) -> float:
-        """A transient measured at the probe, at `tokens`: its share `fixed` as it is, the rest as the units'
-        saved bytes grow together (each unit by its own rows, `scale`)."""
+    def growth(self, tokens: int) -> float:
+        """How the units' saved bytes grow together from the probe to `tokens` (each unit by its own rows,
+        `scale`): what a transient's share that follows the tokens grows by."""
         saved = sum(u.saved_bytes for u in self.units)
-        grown = sum(self.saved(u, tokens) for u in self.units)
-        growth = grown / saved if saved > 0 else self.scale(tokens)
-        return value * (fixed + (1 - fixed) * growth)
+        return sum(self.saved(u, tokens) for u in self.units) / saved if saved > 0 else self.scale(tokens)
+
+    def _grown(self, value: float, fixed: float, tokens: int) -> float:
+        """A transient measured at the probe, at `tokens`: its share `fixed` as it is, the rest by `growth`."""
+        return value * (fixed + (1 - fixed) * self.growth(tokens))
 
 
 def in_layers(name: str) -> bool:

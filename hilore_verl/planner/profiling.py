@@ -46,7 +46,7 @@ import torch
 from hilore_verl.kernels import payload_ratio
 from hilore_verl.measure.peak_memory import Allocations, allocations
 from hilore_verl.planner.bandwidth import bandwidths
-from hilore_verl.planner.costs import CostTable, UnitProfile, in_layers
+from hilore_verl.planner.costs import CostTable, Tokens, UnitProfile, in_layers
 from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share
 from hilore_verl.planner.pass_times import keep_pass_seconds, runtime_overhead
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
@@ -206,7 +206,9 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
                       head_rows=head_rows[0] if head_rows is not None else 0, **kwargs)
     gc_pass = (stats.hands_off, runtime.checkpoint_plan()) if stats.hands_off else (min(probes.gc_passes), probes.gc_plan)
     table.keep_pass_s = keep_pass_seconds(table, tokens, *gc_pass)
-    r = small[1] / tokens if small is not None else None
+    # the transients' fixed shares, fitted against the table's own growth to the small probe: the
+    # table then reproduces the small probe's transients exactly
+    r = table.growth(Tokens(small[1], head_rows[1] if head_rows else None)) if small is not None else None
     (table.transient_bytes, table.transient_fixed, table.gradients_at_peak,
      table.forward_transient_bytes, table.forward_transient_fixed) = _transient(stats, r)
     return table
@@ -219,7 +221,7 @@ def _transient(stats: _ProbeStats, r: float | None) -> tuple[float, float, float
     peak_memory.allocations) less what its forward held (`_total`, which the table's GC plan
     reproduces). Gradients outlive the pass and are not counted (the static bytes hold them); the share
     of them allocated by the backward's peak (the probe starts without gradients) is the third figure.
-    With the small probe (`r` = its tokens / the probe's) the shares that do not grow with tokens
+    With the small probe (`r` = the table's `growth` to its tokens) the shares that do not grow with tokens
     (autocast's low-precision weight copies, gathered parameters). (0, 0, 1, 0, 0) where the allocator
     reported nothing: the table then reserves its largest unit."""
     large, small = stats.allocations

@@ -11,6 +11,7 @@ torch.distributed: the framework's passes and collectives are the session's (ses
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -21,6 +22,8 @@ from hilore_verl.planner.costs import CostTable, measured_values, set_measured_v
 from hilore_verl.training.probe import half_probe, probe_indices, probe_token_bound
 from hilore_verl.loss.risk import RiskModel, calibrate_by_group
 from hilore_verl.runtime import RECOMPUTE, Runtime, UnitPlan
+
+logger = logging.getLogger("hilore_verl")
 
 HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's second probe
 
@@ -115,6 +118,9 @@ def _profile(config: HiLoReConfig, runtime: Runtime, passes, collectives, batch)
     # ranks run the same probe passes (FSDP collectives): the half probe only where every rank has one
     if not collectives.reduce([float(small is not None)], "min")[0]:
         small = None
+        logger.info("hilore-verl: the profile has no half-size second probe (%s): its figures, fixed parts "
+                    "such as weight copies included, scale linearly with the tokens",
+                    "one sequence" if half is None else "not half the probe's tokens, or not on every rank")
 
     def run(b):
         return lambda: passes.train_pass(b)

@@ -57,9 +57,14 @@ def probe_indices(lengths: Sequence[int], max_tokens: int, priority: Sequence[fl
 
 
 def half_probe(lengths: Sequence[int], index: Sequence[int]) -> list[int] | None:
-    """Of the probe's sequences `index`, the first ones with at most half its tokens (the profile's
-    second, smaller probe, see profiling.profile); None when that leaves nothing smaller (one sequence):
-    then every figure scales linearly."""
-    tokens = sum(int(lengths[i]) for i in index)
-    sub = [index[j] for j in probe_indices([lengths[i] for i in index], tokens // 2)]
-    return sub if sum(int(lengths[i]) for i in sub) < tokens else None
+    """Of the probe's sequences `index`, the longest ones that fit in half its tokens, taken longest first
+    and skipping any that would not fit (the profile's second, smaller probe, see profiling.profile):
+    as close to half as whole sequences allow, so that a probe of two uneven sequences still has one.
+    None for a probe of one sequence, where nothing smaller is whole: then every figure scales linearly."""
+    half = sum(int(lengths[i]) for i in index) // 2
+    chosen, total = [], 0
+    for i in sorted(index, key=lambda i: -int(lengths[i])):  # stable: equal lengths keep their order
+        if 0 < int(lengths[i]) and total + int(lengths[i]) <= half:
+            chosen.append(i)
+            total += int(lengths[i])
+    return sorted(chosen) or None

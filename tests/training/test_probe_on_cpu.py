@@ -41,6 +41,9 @@ def test_half_probe():
     lengths = [100, 50, 60, 40, 300]
     assert half_probe(lengths, [0, 1, 2, 3]) == [0]  # 250 tokens -> at most 125
     assert half_probe(lengths, [4]) is None  # one sequence: nothing smaller
+    assert half_probe(lengths, [2, 3, 1]) == [2]  # 150 tokens -> at most 75: 60, then neither 50 nor 40 fits
+    assert half_probe([160, 102], [0, 1]) == [1]  # two uneven sequences: the one that fits in half
+    assert half_probe([30, 70, 20, 80], [0, 1, 2, 3]) == [2, 3]  # 200 -> at most 100: 80, then 20 fits
 
 
 @pytest.mark.parametrize("a, b", [(1000.0, 0.0), (1000.0, 3.0), (0.0, 5.0), (250.0, 0.5)])
@@ -284,3 +287,33 @@ def test_a_standalone_calls_saved_inputs_are_its_units_and_fixed_memory_in_the_p
         # docs/design.md: keep / recompute within 0.1%, compressed within 5% (measured 1.0000 and 1.0163)
         rel = 1e-3 if plan_mode in ("keep", "recompute") else 0.05
         assert ctl.held_bytes(plan, tokens) == pytest.approx(measured, rel=rel), plan_mode
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_the_transients_at_the_micro_batch_follow_the_probes(share):
+    """With a probe of a few uneven sequences (the zero-exposure skip leaves fewer to choose from) there is
+    still a half probe, so the transients' fixed parts (autocast's weight copies) are measured and not
+    grown with the tokens: each phase's transient the table predicts at the trained micro-batch, about
+    eight times the probe, is within 10% of what that micro-batch's pass under GC's plan allocates."""
+    from hilore_verl.bench import methods as M
+    from hilore_verl.measure.peak_memory import allocations
+    from hilore_verl.planner import BudgetConfig
+
+    config = BenchConfig(hidden_size=256, num_layers=2, vocab_size=2000, zero_advantage_share=share,
+                         per_sequence_attention=True)
+    batch = make_batch(config)
+    method = M.build("hilore", config, batch, BudgetConfig("gc_ratio", 1.10))
+    method.step(batch)
+    c, micro, tokens = method.controller, method.trained(batch), method.layer_tokens(batch)
+    costs = c.costs
+    assert 6 * costs.tokens < tokens and costs.forward_transient_fixed > 0.3  # measured on the half probe
+    c.runtime.set_plan(c.runtime_plan(c.gc_plan()))
+    method.optimizer.zero_grad(set_to_none=True)
+    forward = []
+    held = allocations(lambda: forward.append(method.passes.loss(micro))).kept
+    forward.clear()
+    method.optimizer.zero_grad(set_to_none=True)
+    measured = allocations(lambda: method.passes.loss(micro).backward())
+    method.optimizer.zero_grad(set_to_none=True)
+    assert costs.forward_transient(tokens) == pytest.approx(measured.forward_during - held, rel=0.10)
+    assert costs.backward_transient(c.gc_plan(), tokens) == pytest.approx(measured.backward_during - held, rel=0.10)
