@@ -23,7 +23,7 @@ from collections import deque
 import torch
 import torch.nn as nn
 
-from hilore_verl.kernels import quantize
+from hilore_verl.kernels import GROUP_SIZES, quantize
 from hilore_verl.runtime.offload import OffloadPool
 from hilore_verl.runtime.plan import Mode, UnitPlan
 from hilore_verl.runtime.finite_checks import Unchecked, WaitCount
@@ -327,17 +327,21 @@ class SavedTensors:
 
     def _quantize(self, t: torch.Tensor, plan: UnitPlan):
         """Groups run along the last dim; a contiguous tensor whose last dim does not fit the group is
-        grouped over its flat elements. None when neither fits (the tensor is then kept exact)."""
-        g = plan.group_size
-        if t.shape[-1] % g == 0:
-            source = t
-        elif t.is_contiguous() and t.numel() % g == 0:
-            source = t.view(-1, g)
-        else:
-            return None
-        self.compressions += 1
-        seed = hash((self.rt.config.seed, self.rt._forwards, self.compressions)) & 0x7FFFFFFF
-        return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
+        grouped over its flat elements. Where neither fits the plan's group, the largest smaller group
+        size that does (finer groups: a smaller error, a few more scale bytes), so that whether a
+        tensor compresses does not turn on its row count (logits over a vocabulary of 4000 with an odd
+        number of rows fit 32 and not 64). None when no group fits (the tensor is then kept exact)."""
+        for g in (plan.group_size, *sorted((s for s in GROUP_SIZES if s < plan.group_size), reverse=True)):
+            if t.shape[-1] % g == 0:
+                source = t
+            elif t.is_contiguous() and t.numel() % g == 0:
+                source = t.view(-1, g)
+            else:
+                continue
+            self.compressions += 1
+            seed = hash((self.rt.config.seed, self.rt._forwards, self.compressions)) & 0x7FFFFFFF
+            return quantize(source.detach(), plan.fmt, g, stochastic=plan.stochastic, seed=seed)
+        return None
 
     def _unchecked(self, t: torch.Tensor, payload, stored) -> Unchecked:
         """`t` and its payload `stored`, held until the payload's inf / nan check reaches the host."""

@@ -187,3 +187,24 @@ def test_non_contiguous_saves_are_compressed_from_their_values_or_kept_exact(mon
             assert isinstance(held, Kept) and torch.equal(held.get(), copy)
     proj = [rt.stats().units[f"layers.{i}.mlp.proj"] for i in range(2)]
     assert all(u.incompressible == (0 if compressed else 1) for u in proj)
+
+
+@pytest.mark.parametrize("width, group", [(96, 32), (100, None)])
+def test_a_save_the_plans_group_does_not_fit_takes_a_finer_group_or_stays_exact(monkeypatch, width, group):
+    """One sequence of an odd token count: the MLP's (1, 33, width) saves fit a group of 64 neither along
+    their last dim nor over their flat elements. Width 96 fits 32: compressed with groups of 32, so whether
+    a save compresses does not turn on the row count; width 100 fits none: kept exact and counted."""
+    model = build_tiny_model("qwen2", seed=0, hidden_size=256, num_attention_heads=4, intermediate_size=width).train()
+    rt = attach(model, RuntimeConfig(min_bytes=1024))  # so that these small saves are managed
+    rt.set_plan(Plan(default="int8"))
+    seen = _capture(monkeypatch)
+    _step(model, torch.randint(3, 512, (1, 33), generator=torch.Generator().manual_seed(0)))
+    narrow = [(copy, held) for t, copy, held in seen if t.shape[-1] == width and t.numel() == 33 * width]
+    assert len(narrow) >= 4  # the activation's input and the down projection's, per layer
+    for copy, held in narrow:
+        if group:
+            assert isinstance(held, Checked)
+            assert torch.equal(held.get(), dequantize(quantize(copy, "int8", group)))
+        else:
+            assert isinstance(held, Kept) and torch.equal(held.get(), copy)
+    assert sum(u.incompressible for u in rt.stats().units.values()) == (0 if group else len(narrow))
