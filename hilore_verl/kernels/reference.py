@@ -31,6 +31,7 @@ from hilore_verl.kernels.formats import (DTYPES, FORMATS, GROUP_SIZES, QMAX, SPE
                                          round_half_even)
 
 FLT_MAX = torch.finfo(torch.float32).max
+CHUNK_ELEMENTS = 2**20  # the codec's fp32 temporaries (about 6 per element) follow a chunk, not the tensor
 _M32 = 0xFFFFFFFF
 
 
@@ -115,17 +116,37 @@ def _uniform_mixed(smix: int, index: torch.Tensor) -> torch.Tensor:
     return (h >> 8).float() * (1.0 / 16777216.0)
 
 
+def _row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
+    """(start, end) rows of at most CHUNK_ELEMENTS elements each (at least one row)."""
+    step = max(CHUNK_ELEMENTS // max(width, 1), 1)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def quantize(x: torch.Tensor, fmt: str = "int8", group_size: int = 64, stochastic: bool = False,
              seed: int = 0) -> QuantizedTensor:
-    """Group-wise absmax quantization of `x` (fp32 / fp16 / bf16, last dim a multiple of group_size)."""
+    """Group-wise absmax quantization of `x` (fp32 / fp16 / bf16, last dim a multiple of group_size), in
+    chunks of rows (each group is computed as it would be whole: the same bits)."""
     check_args(x, fmt, group_size)
-    codes, scales, flags = quantize_2d(x.reshape(-1, x.shape[-1]), fmt, group_size, stochastic, seed_mix(seed))
+    x2 = x.reshape(-1, x.shape[-1])
+    chunks = _row_chunks(*x2.shape)
+    out = None
+    for start, end in chunks:
+        part = quantize_2d(x2[start:end], fmt, group_size, stochastic, seed_mix(seed), first=start * x2.shape[1])
+        if len(chunks) == 1:
+            out = part
+            break
+        if out is None:
+            out = tuple(torch.empty((x2.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in part)
+        for whole, piece in zip(out, part):
+            whole[start:end] = piece
+    codes, scales, flags = out
     return QuantizedTensor(codes, scales, flags, x.shape, x.dtype, fmt, group_size)
 
 
-def quantize_2d(x: torch.Tensor, fmt: str, group_size: int, stochastic: bool, smix):
+def quantize_2d(x: torch.Tensor, fmt: str, group_size: int, stochastic: bool, smix, first: int = 0):
     """(R, D) -> codes, scales (R, G) fp32, flags (R, G) uint8; `smix`: seed_mix(seed), an int or a 0-d
-    int64 tensor. Pure tensor code: the fused CPU path compiles it."""
+    int64 tensor; `first`: the flat index of x's first element in the whole tensor (stochastic rounding
+    hashes it). Pure tensor code: the fused CPU path compiles it."""
     xf = x.float()
     R, D = xf.shape
     G = D // group_size
@@ -138,15 +159,23 @@ def quantize_2d(x: torch.Tensor, fmt: str, group_size: int, stochastic: bool, sm
     scales = absmax / torch.full_like(absmax, QMAX[fmt])
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = torch.where(finite[..., None], g / safe[..., None], torch.zeros_like(g)).view(R, D)
-    u = _uniform_mixed(smix, torch.arange(R * D, dtype=torch.int64, device=x.device).view(R, D)) if stochastic else None
+    u = (_uniform_mixed(smix, torch.arange(first, first + R * D, dtype=torch.int64, device=x.device).view(R, D))
+         if stochastic else None)
     codes = SPECS[fmt].encode(y, u)
     scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
     return codes, scales, (~finite).to(torch.uint8)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """value(code) * scale in fp32, rounded half-even to the original dtype."""
-    return dequantize_2d(q.codes, q.scales, q.fmt, q.group_size, q.dtype).reshape(q.shape)
+    """value(code) * scale in fp32, rounded half-even to the original dtype, in chunks of rows."""
+    rows, groups = q.scales.shape
+    chunks = _row_chunks(rows, groups * q.group_size)
+    if len(chunks) == 1:
+        return dequantize_2d(q.codes, q.scales, q.fmt, q.group_size, q.dtype).reshape(q.shape)
+    out = torch.empty((rows, groups * q.group_size), dtype=q.dtype, device=q.codes.device)
+    for start, end in chunks:
+        out[start:end] = dequantize_2d(q.codes[start:end], q.scales[start:end], q.fmt, q.group_size, q.dtype)
+    return out.reshape(q.shape)
 
 
 def dequantize_2d(codes: torch.Tensor, scales: torch.Tensor, fmt: str, group_size: int,

@@ -1,4 +1,5 @@
-"""Codec and host-copy bandwidth, as the cost table prices a unit's codec and offload time.
+"""Codec and host-copy bandwidth, as the cost table prices a unit's codec and offload time, and the
+codec's working memory, as it prices a compressed unit's transient.
 
 Each is the slope of `timing.fit_bandwidth` over a sample and its first quarter, so that a call's
 launch overhead is not read as low bandwidth (on the CPU, bandwidth-bound at a few MiB: one size,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hilore_verl.kernels import quantize
+from hilore_verl.measure.peak_memory import allocations
 from hilore_verl.measure.timing import DeviceClock, fit_bandwidth
 
 SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned
@@ -52,13 +54,31 @@ def codec_bandwidth(clock: DeviceClock, sample: torch.Tensor) -> float:
     return 2 * fit_bandwidth(seconds, sample.numel() * sample.element_size(), _parts(clock))[0]
 
 
-def bandwidths(clock: DeviceClock, device: torch.device, largest: float, element_size: int) -> tuple[float, float]:
-    """(codec, host-copy) bandwidths on a sample of `sample_bytes` (the probe's `largest` unit's saved bytes,
-    within bounds) of the activations' dtype (element_size 4: fp32, else bf16) on `device`."""
+def codec_working_memory(sample: torch.Tensor) -> float:
+    """Bytes the codec allocates at once on `sample` beyond its payload and its output: the larger of
+    quantize's (its payload is kept) and dequantize's (less its output). The Triton and the fused CPU
+    codecs write codes and values directly (about 0); the torch reference, which serves where those
+    cannot run, makes fp32 temporaries of a chunk of rows (reference.CHUNK_ELEMENTS, at most the
+    sample's elements). 0 where the allocator reports nothing."""
+    nbytes = sample.numel() * sample.element_size()
+    try:
+        kept = []
+        quantized = allocations(lambda: kept.append(quantize(sample, "int8", 64)), sample.device)
+        restored = allocations(kept[0].dequantize, sample.device)
+    except RuntimeError:
+        return 0.0
+    return max(quantized.during, restored.during - nbytes, 0.0)
+
+
+def bandwidths(clock: DeviceClock, device: torch.device, largest: float, element_size: int
+               ) -> tuple[float, float, float, int]:
+    """(codec, host-copy) bandwidths, the codec's working memory (`codec_working_memory`) and the elements
+    it was measured on: a sample of `sample_bytes` (the probe's `largest` unit's saved bytes, within
+    bounds) of the activations' dtype (element_size 4: fp32, else bf16) on `device`."""
     dtype = torch.float32 if element_size == 4 else torch.bfloat16
     nbytes = sample_bytes(device, largest, dtype.itemsize)
     sample = torch.randn(nbytes // (1024 * dtype.itemsize), 1024, device=device, dtype=dtype)
-    return codec_bandwidth(clock, sample), host_bandwidth(clock, sample)
+    return codec_bandwidth(clock, sample), host_bandwidth(clock, sample), codec_working_memory(sample), sample.numel()
 
 
 def host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:

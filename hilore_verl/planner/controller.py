@@ -120,7 +120,7 @@ class Controller:
         its backward's peak the share of them allocated by then (measured)."""
         held = self.static_bytes + self.held_bytes(plan, tokens)
         absent = 0.0 if gradients else self.gradient_bytes
-        forward = held - absent + self.costs.forward_transient(tokens)
+        forward = held - absent + self.costs.forward_transient(tokens, plan)
         backward = held - absent * (1 - self.costs.gradients_at_peak) + self.costs.backward_transient(plan, tokens)
         return max(forward, backward)
 

@@ -110,6 +110,29 @@ class CostTable:
     the two grow differently (0: not measured, the backward's figure stands for both)."""
     forward_transient_fixed: float = 0.0
     """Share of forward_transient_bytes that does not grow with tokens."""
+    head_transient_bytes: float = 0.0
+    """The backward's transient while the head's backward runs, before the layers' (planner/transient.py):
+    it follows the head's rows, not the layers' tokens, so a phase's transient is the larger of its
+    layers' part (transient_bytes, forward_transient_bytes) and its head's. The head's part is the
+    larger of two ops' figures: this one, the op that reached highest at the probe, and the `steep`
+    one, the op whose figure grows most (a weight gradient's fixed copy tops a small probe, the
+    logits' gradient a large micro-batch). 0: not told apart (the layers' figures are the phases')."""
+    head_transient_fixed: float = 0.0
+    """Share of head_transient_bytes that does not grow with the head's rows."""
+    head_transient_steep_bytes: float = 0.0
+    head_transient_steep_fixed: float = 0.0
+    head_forward_transient_bytes: float = 0.0
+    """The same for the forward once the layers have run (the head's logits and log-softmax)."""
+    head_forward_transient_fixed: float = 0.0
+    head_forward_transient_steep_bytes: float = 0.0
+    head_forward_transient_steep_fixed: float = 0.0
+    codec_transient: float = 0.0
+    """Bytes the codec allocates at once beyond its payload and output, per element it quantizes or
+    dequantizes, up to `codec_transient_cap` (planner/bandwidth.codec_working_memory, on a sample at
+    least a chunk of the codecs that work in chunks): GC's plan, on which the transients are measured,
+    compresses nothing, so a plan that does holds this much more while a compressed unit's saves are
+    quantized (forward) and restored (backward), priced on the largest unit's saves."""
+    codec_transient_cap: float = 0.0
     gradients_at_peak: float = 1.0
     """Share of the gradients a pass that starts without them (the first micro-batch after zero_grad)
     has allocated when its transient peaks (measured with transient_bytes; 1: not measured)."""
@@ -125,10 +148,7 @@ class CostTable:
         """k: `tokens` over the probe's; for a unit outside the layers (the head), its rows over the probe's
         where both are known (`Tokens.head`, `head_rows`): the head of a host that takes log-probs of the
         response tokens only follows them, not the prompts."""
-        rows = getattr(tokens, "head", None)  # a plain count carries none
-        if unit is not None and rows is not None and self.head_rows > 0 and not in_layers(unit.name):
-            return rows / self.head_rows
-        return tokens / self.tokens
+        return self.head_growth(tokens) if unit is not None and not in_layers(unit.name) else tokens / self.tokens
 
     def grow(self, value: float, quadratic: float, tokens: int, fixed: float = 0.0,
              unit: UnitProfile | None = None) -> float:
@@ -254,20 +274,28 @@ class CostTable:
         return payload_ratio(fmt, unit.element_size or self.element_size, group_size)
 
     def transient(self, tokens: int) -> float:
-        """Reserve for what the backward allocates at once beyond what the forward held: the measured
-        `transient_bytes` grown as the units' saved bytes grow (`_grown`), or unmeasured, the largest
-        unit's saved bytes (what backward regenerates or dequantizes at once)."""
-        if self.transient_bytes > 0:
-            return self._grown(self.transient_bytes, self.transient_fixed, tokens)
+        """Reserve for what the backward allocates at once beyond what the forward held: the larger of the
+        layers' measured `transient_bytes` grown as the units' saved bytes grow (`_grown`) and the head's
+        part (`_head_part`), or unmeasured, the largest unit's saved bytes (what backward regenerates
+        or dequantizes at once)."""
+        if self.transient_bytes > 0 or self.head_transient_bytes > 0:
+            return max(self._grown(self.transient_bytes, self.transient_fixed, tokens),
+                       self._head_part("head_transient", tokens))
         return max((self.saved(u, tokens) for u in self.units), default=0.0)
 
     def backward_transient(self, plan: dict[str, UnitPlan], tokens: int) -> float:
-        """`transient` for `plan`: the probe's backward (under GC's plan) regenerated a recomputed layer's
+        """`transient` for `plan`. The probe's backward (under GC's plan) regenerated a recomputed layer's
         activations at once; a plan that recomputes less of its largest layer regenerates that much less
-        (`regenerated`). Unmeasured, `transient` as it is."""
-        if self.transient_bytes <= 0:
+        (`regenerated`, in the layers' part). GC's plan keeps the head; a head that compresses or
+        recomputes makes its saves again for its backward, on top of the head's part (an upper bound: its
+        backward's ops need some of them at a time). Unmeasured, `transient` as it is."""
+        if self.transient_bytes <= 0 and self.head_transient_bytes <= 0:
             return self.transient(tokens)
-        return max(self.transient(tokens) - self.regenerated(None, tokens) + self.regenerated(plan, tokens), 0.0)
+        layers = self._grown(self.transient_bytes, self.transient_fixed, tokens)
+        layers = max(layers - self.regenerated(None, tokens) + self.regenerated(plan, tokens), 0.0)
+        remade = sum(self.saved(u, tokens) for u in self.units if not in_layers(u.name) and plan.get(u.name, KEEP) != KEEP)
+        return max(layers + self._codec(plan, tokens, True),
+                   self._head_part("head_transient", tokens) + remade + self._codec(plan, tokens, False))
 
     def regenerated(self, plan: dict[str, UnitPlan] | None, tokens: int) -> float:
         """The most saved bytes one decoder layer's recomputed units make again in backward under `plan`
@@ -278,9 +306,46 @@ class CostTable:
                 per_layer[layer_of(u.name)] = per_layer.get(layer_of(u.name), 0.0) + self.saved(u, tokens)
         return max(per_layer.values(), default=0.0)
 
-    def forward_transient(self, tokens: int) -> float:
-        """The same for the forward (`forward_transient_bytes`); 0 where not measured."""
-        return self._grown(self.forward_transient_bytes, self.forward_transient_fixed, tokens)
+    def forward_transient(self, tokens: int, plan: dict[str, UnitPlan] | None = None) -> float:
+        """The same for the forward (`forward_transient_bytes`, `head_forward_transient_*`); 0 where not
+        measured. Measured under GC's plan, which keeps the head and recomputes the layers; for `plan`:
+        - the layers' weight copies (autocast's casts, units' `fixed_bytes`) live through GC's forward
+          in autocast's cache, held by no save; the copies of layer units `plan` does not recompute
+          are held (`held` counts them), so they are not counted twice;
+        - a head that does not keep holds less than GC's at the forward's end, but its saves exist as
+          GC's do until its call ends (a compressed save is quantized there): what it holds less is
+          added to the head's part (an upper bound)."""
+        layers = self._grown(self.forward_transient_bytes, self.forward_transient_fixed, tokens)
+        head = self._head_part("head_forward_transient", tokens)
+        if plan is None:
+            return max(layers, head)
+        copies = sum(u.fixed_bytes for u in self.units if in_layers(u.name) and plan.get(u.name, KEEP) != RECOMPUTE)
+        unheld = sum(self._held_less(u, plan.get(u.name, KEEP), tokens) for u in self.units if not in_layers(u.name))
+        return max(layers - copies + self._codec(plan, tokens, True),
+                   head - copies + unheld + self._codec(plan, tokens, False), 0.0)
+
+    def _codec(self, plan: dict[str, UnitPlan], tokens: int, layers: bool) -> float:
+        """The codec's working memory for the largest saves `plan` compresses in the layers (or outside them)."""
+        elements = max((self.saved(u, tokens) / (u.element_size or self.element_size) for u in self.units
+                        if in_layers(u.name) == layers and plan.get(u.name, KEEP).mode == Mode.COMPRESS), default=0.0)
+        return min(self.codec_transient * elements, self.codec_transient_cap)
+
+    def transient_charge(self, unit: UnitProfile, choice: UnitPlan, tokens: int) -> float:
+        """What `choice` for `unit` adds to the phases' transients (`forward_transient`, `backward_transient`)
+        beyond its option's memory: for a head that does not keep, the larger of what it holds less
+        (its saves exist until its call ends) and its saves (its backward makes them again); 0 in the
+        layers. The solver prices it with the option, so that it does not choose a head whose saving the
+        transients take back."""
+        if in_layers(unit.name) or choice == KEEP:
+            return 0.0
+        return max(self._held_less(unit, choice, tokens), self.saved(unit, tokens))
+
+    def _held_less(self, unit: UnitProfile, choice: UnitPlan, tokens: int) -> float:
+        """What `unit` holds less under `choice` than kept."""
+        if choice == KEEP:
+            return 0.0
+        options = {o.plan: o for o in self.options(unit, tokens)}
+        return options[KEEP].memory - options.get(choice, options[KEEP]).memory
 
     def growth(self, tokens: int) -> float:
         """How the units' saved bytes grow together from the probe to `tokens` (each unit by its own rows,
@@ -288,9 +353,21 @@ class CostTable:
         saved = sum(u.saved_bytes for u in self.units)
         return sum(self.saved(u, tokens) for u in self.units) / saved if saved > 0 else self.scale(tokens)
 
+    def head_growth(self, tokens: int) -> float:
+        """How the head's rows grow from the probe to `tokens` (`scale` of a unit outside the layers)."""
+        rows = getattr(tokens, "head", None)  # a plain count carries none
+        return rows / self.head_rows if rows is not None and self.head_rows > 0 else tokens / self.tokens
+
     def _grown(self, value: float, fixed: float, tokens: int) -> float:
         """A transient measured at the probe, at `tokens`: its share `fixed` as it is, the rest by `growth`."""
         return value * (fixed + (1 - fixed) * self.growth(tokens))
+
+    def _head_part(self, name: str, tokens: int) -> float:
+        """The head's part of a phase's transient (`name`: its fields' stem) at `tokens`: the larger of its
+        two ops' figures, each grown by the head's rows."""
+        g = self.head_growth(tokens)
+        return max(getattr(self, f"{name}{part}_bytes") * (fixed + (1 - fixed) * g)
+                   for part in ("", "_steep") for fixed in (getattr(self, f"{name}{part}_fixed"),))
 
 
 def in_layers(name: str) -> bool:

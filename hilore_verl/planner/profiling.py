@@ -24,9 +24,9 @@ that never ran is a unit map that does not fit the model: ValueError.
                                                 share of forward times (against 1 and 2's own
                                                 times, their spread as the noise)
     6. 1 again, its allocations followed        what a pass allocates at once beyond what its
-       (peak_memory.allocations; with `small`,  forward held (backward's working memory), its
-       on the small probe too)                  share that does not grow, and the share of the
-                                                gradients allocated by then
+       (planner/transient.py; with `small`,     forward held, per phase in the layers and in the
+       on the small probe too)                  head, the shares that do not grow, and the share
+                                                of the gradients allocated by then
 
 Then, when the model had HF checkpointing (`runtime.checkpoint_plan()`), that plan through the runtime
 and hands-off, twice each: the runtime's overhead; the fastest GC pass (that hands-off one, or probe 1
@@ -36,7 +36,6 @@ the size of the largest unit's saved bytes.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -44,17 +43,17 @@ from typing import Callable
 import torch
 
 from hilore_verl.kernels import payload_ratio
-from hilore_verl.measure.peak_memory import Allocations, allocations
+from hilore_verl.measure.peak_memory import Allocations
 from hilore_verl.planner.bandwidth import bandwidths
 from hilore_verl.planner.costs import CostTable, Tokens, UnitProfile, in_layers
 from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share
+from hilore_verl.planner.transient import fit, followed
 from hilore_verl.planner.pass_times import keep_pass_seconds, runtime_overhead
 from hilore_verl.runtime import KEEP, RECOMPUTE, Mode, Runtime, UnitPlan
 from hilore_verl.runtime.stats import RuntimeStats
 from hilore_verl.model.units import RecoveryUnit, name_in_layer
 from hilore_verl.measure.timing import DeviceClock
 
-logger = logging.getLogger("hilore_verl")
 QUADRATIC_KINDS = ("attn_core",)  # units whose figures may grow with tokens squared (dense attention)
 
 
@@ -200,54 +199,18 @@ def profile(runtime: Runtime, run: Callable[[], None], tokens: int, element_size
         r_head = small[1] / tokens if head_rows is None or not head_rows[1] else head_rows[1] / head_rows[0]
         unmanaged_q = _growth_shares(probes, stats, units, unmanaged, small[1] / tokens, quadratic, r_head)
     saving = _region_saving(probes, stats.whole, units, tokens, unmanaged, element_size)
-    codec, host = bandwidths(probes.clock, device, max((u.saved_bytes for u in units), default=0.0), element_size)
+    codec, host, codec_memory, sampled = bandwidths(probes.clock, device, max((u.saved_bytes for u in units),
+                                                                          default=0.0), element_size)
     table = CostTable(units, tokens, unmanaged, element_size, codec, host, region_saving_bytes=saving,
                       unmanaged_quadratic=unmanaged_q, runtime_overhead_s=stats.overhead,
-                      head_rows=head_rows[0] if head_rows is not None else 0, **kwargs)
+                      head_rows=head_rows[0] if head_rows is not None else 0, codec_transient=codec_memory / sampled,
+                      codec_transient_cap=codec_memory, **kwargs)
     gc_pass = (stats.hands_off, runtime.checkpoint_plan()) if stats.hands_off else (min(probes.gc_passes), probes.gc_plan)
     table.keep_pass_s = keep_pass_seconds(table, tokens, *gc_pass)
-    # the transients' fixed shares, fitted against the table's own growth to the small probe: the
-    # table then reproduces the small probe's transients exactly
-    r = table.growth(Tokens(small[1], head_rows[1] if head_rows else None)) if small is not None else None
-    (table.transient_bytes, table.transient_fixed, table.gradients_at_peak,
-     table.forward_transient_bytes, table.forward_transient_fixed) = _transient(stats, r)
+    large_pass, small_pass = stats.allocations
+    fit(table, large_pass, _total(stats.whole), small_pass, _total(stats.small_whole) if small_pass else 0.0,
+        Tokens(small[1], head_rows[1] if head_rows else None) if small is not None else None)
     return table
-
-
-def _transient(stats: _ProbeStats, r: float | None) -> tuple[float, float, float, float, float]:
-    """(bytes, fixed share, gradients' share) of what the backward of a pass under GC's plan allocates at
-    once beyond what its forward left held, then (bytes, fixed share) of the same for its forward: probe
-    1's most bytes allocated and freed at once in each phase (`_ProbeStats.allocations`,
-    peak_memory.allocations) less what its forward held (`_total`, which the table's GC plan
-    reproduces). Gradients outlive the pass and are not counted (the static bytes hold them); the share
-    of them allocated by the backward's peak (the probe starts without gradients) is the third figure.
-    With the small probe (`r` = the table's `growth` to its tokens) the shares that do not grow with tokens
-    (autocast's low-precision weight copies, gathered parameters). (0, 0, 1, 0, 0) where the allocator
-    reported nothing: the table then reserves its largest unit."""
-    large, small = stats.allocations
-    if large is None:
-        return 0.0, 0.0, 1.0, 0.0, 0.0
-    held = _total(stats.whole)
-    backward = max(large.backward_during - held, 0.0)
-    forward = max(large.forward_during - held, 0.0)
-    gradients = large.backward_kept / large.kept if large.kept > 0 else 1.0
-    if small is None or r is None:
-        return backward, 0.0, gradients, forward, 0.0
-    small_held = _total(stats.small_whole)
-    return (backward, fixed_share(max(small.backward_during - small_held, 0.0), backward, r), gradients,
-            forward, fixed_share(max(small.forward_during - small_held, 0.0), forward, r))
-
-
-def _followed(probes: _Probes, small_probe: bool) -> Allocations | None:
-    """Probe 1 once more with its allocations followed (peak_memory.allocations); None, said once,
-    where the allocator reports nothing."""
-    probes.runtime.set_plan(probes.gc_plan)
-    try:
-        return allocations(probes.small_run if small_probe else probes.run, probes.clock.device)
-    except RuntimeError as err:
-        logger.warning("hilore-verl: the backward's working memory is not measured (%s); the memory model "
-                       "reserves the largest unit's saved bytes for it", err)
-        return None
 
 
 def _plan_probes(runtime: Runtime, run: Callable[[], None], small: tuple[Callable[[], None], int] | None,
@@ -278,8 +241,9 @@ def _run_probes(probes: _Probes) -> _ProbeStats:
         int8 = probes.probe({u.name: UnitPlan(Mode.COMPRESS, fmt="int8") for u in probes.probed + probes.heads})
         held, replay = _probe_recomputed(probes, whole, keeps)
         overhead, hands_off = runtime_overhead(runtime, probes.run, probes.clock)
-        large = _followed(probes, small_probe=False)
-        small = _followed(probes, small_probe=True) if large is not None and probes.small_run is not None else None
+        large = followed(runtime, probes.gc_plan, probes.run, probes.clock.device)
+        small = (followed(runtime, probes.gc_plan, probes.small_run, probes.clock.device)
+                 if large is not None and probes.small_run is not None else None)
     finally:
         runtime.set_plan(plan_before)
     return _ProbeStats(whole, keeps, int8, held, replay, small_whole, small_keeps, overhead, hands_off, (large, small))

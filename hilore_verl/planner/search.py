@@ -106,8 +106,10 @@ class PlanSearch:
         risk = None
         if self.c.risk is not None and self.c.risk.calibrated:  # priced with the codec as it will run
             risk = lambda unit, plan: self.c.risk.unit_risk(unit, self.c.as_run(plan), l2)  # noqa: E731
-        options = [[o for o in self.c.costs.options(u, tokens, risk)
-                    if (u.name, o.plan) != exclude and (o.plan.exact or not exact)] for u in self.c.costs.units]
+        costs = self.c.costs
+        options = [[dataclasses.replace(o, memory=o.memory + costs.transient_charge(u, o.plan, tokens))
+                    for o in costs.options(u, tokens, risk) if (u.name, o.plan) != exclude and (o.plan.exact or not exact)]
+                   for u in costs.units]
         if risk is None:  # no risk model, or nothing calibrated yet: lossy modes are not allowed
             allowance = 0.0
         budget = self.c.activation_budget(tokens, row)

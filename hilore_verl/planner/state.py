@@ -18,15 +18,17 @@ from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.loss.risk import RiskModel
 
 STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 4
+STATE_VERSION = 5
 # read too: version 1 also held the audit's copy of the risk budget (audit_budget); versions 1 and 2 had
 # no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned);
 # versions 1 to 3 no weight copies or element sizes per unit (units' fixed_bytes: 0, their unmanaged bytes
 # held them; element_size 0: the table's) and
 # no head rows (costs.head_rows: 0, the head scaled with the tokens) and one transient for both phases
-# (costs.forward_transient_bytes: 0)
-OLD_VERSIONS = (1, 2, 3)
+# (costs.forward_transient_bytes: 0); versions 1 to 4 no head's part of the transients (costs.head_*: 0,
+# the layers' figures stood for whole phases) and no codec working memory (costs.codec_transient: 0)
+OLD_VERSIONS = (1, 2, 3, 4)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
+HEAD_TRANSIENTS = ("head_transient", "head_transient_steep", "head_forward_transient", "head_forward_transient_steep")
 
 
 def costs_of(state: dict) -> CostTable:
@@ -89,6 +91,11 @@ def load_state(text: str | bytes, unit_names: list[str] | None = None) -> dict:
         costs.setdefault("forward_transient_bytes", 0.0)  # the backward's figure stands for both
         costs.setdefault("forward_transient_fixed", 0.0)
         costs.setdefault("head_rows", 0)
+        for stem in HEAD_TRANSIENTS:
+            costs.setdefault(f"{stem}_bytes", 0.0)
+            costs.setdefault(f"{stem}_fixed", 0.0)
+        costs.setdefault("codec_transient", 0.0)
+        costs.setdefault("codec_transient_cap", 0.0)
         for unit in costs.get("units") if isinstance(costs.get("units"), list) else []:
             if isinstance(unit, dict):
                 unit.setdefault("fixed_bytes", 0.0)
@@ -156,9 +163,10 @@ def _check_costs(costs, unit_names: list[str] | None) -> None:
             integer=True)
     _number("state.costs.unmanaged_bytes", costs["unmanaged_bytes"], lambda v: v >= 0, ">= 0")
     for key in ("region_saving_bytes", "runtime_overhead_s", "keep_pass_s", "transient_bytes",
-                "forward_transient_bytes"):
+                "forward_transient_bytes", "codec_transient", "codec_transient_cap", *(f"{stem}_bytes" for stem in HEAD_TRANSIENTS)):
         _number(f"state.costs.{key}", costs[key], lambda v: v >= 0, ">= 0")
-    for key in ("transient_fixed", "gradients_at_peak", "forward_transient_fixed"):
+    for key in ("transient_fixed", "gradients_at_peak", "forward_transient_fixed",
+                *(f"{stem}_fixed" for stem in HEAD_TRANSIENTS)):
         _number(f"state.costs.{key}", costs[key], lambda v: 0 <= v <= 1, "in [0, 1]")
     for key in ("codec_bytes_per_s", "host_bytes_per_s"):
         _number(f"state.costs.{key}", costs[key], lambda v: v > 0, "> 0")

@@ -68,8 +68,38 @@ def test_the_peak_is_the_higher_phase_and_a_first_micro_batch_has_no_gradients_i
     held = 10_000.0 + ctl.held_bytes(gc, 100)
     assert ctl.predicted_peak(gc, 100) == pytest.approx(held + 5000.0)  # the backward's
     assert ctl.predicted_peak(gc, 100, gradients=False) == pytest.approx(held - 0.75 * 4000.0 + 5000.0)
-    keep = _all(table, KEEP)  # nothing regenerated: the forward's transient is the larger
-    held = 10_000.0 + ctl.held_bytes(keep, 100)
-    assert ctl.predicted_peak(keep, 100) == pytest.approx(held + 2000.0)
-    assert ctl.predicted_peak(keep, 100, gradients=False) == pytest.approx(max(held - 4000.0 + 2000.0,
+    keep = _all(table, KEEP)  # nothing regenerated: the forward's transient is the larger, less the layers'
+    held = 10_000.0 + ctl.held_bytes(keep, 100)  # weight copies, which GC's forward held in autocast's cache
+    assert ctl.predicted_peak(keep, 100) == pytest.approx(held + 2000.0 - 100.0)
+    assert ctl.predicted_peak(keep, 100, gradients=False) == pytest.approx(max(held - 4000.0 + 1900.0,
                                                                               held - 3000.0 + 1000.0))
+
+
+def test_the_heads_part_follows_its_rows_as_the_larger_of_two_ops():
+    """The head's part of a phase: the larger of the op highest at the probe (fixed here) and the op that
+    grows most, each by the head's rows; a phase is the larger of its layers' part and its head's."""
+    table = _table(transient_bytes=600.0, head_transient_bytes=500.0, head_transient_fixed=1.0,
+                   head_transient_steep_bytes=400.0, head_transient_steep_fixed=0.0,
+                   forward_transient_bytes=300.0, head_forward_transient_bytes=900.0, head_forward_transient_fixed=0.5)
+    gc = {u.name: RECOMPUTE for u in table.units if u.name.startswith("layers.")}
+    assert table.backward_transient(gc, Tokens(100, head=40)) == 600.0  # the probe: the layers' part
+    assert table.backward_transient(gc, Tokens(100, head=80)) == 800.0  # twice the rows: the steep op
+    grown = table.growth(Tokens(300, head=40))  # the units' saves: the layers' 3x, the head's rows 1x
+    assert 2.5 < grown < 3 and table.backward_transient(gc, Tokens(300, head=40)) == pytest.approx(600.0 * grown)
+    assert table.forward_transient(Tokens(100, head=120)) == 900.0 * (0.5 + 0.5 * 3)
+    # a head that compresses: its saves exist until its call ends, and its backward makes them again
+    compressed = dict(gc, head=INT8)
+    options = {o.plan: o.memory for o in table.options(table.units[-1], Tokens(100, head=40))}
+    assert table.forward_transient(Tokens(100, head=40), compressed) == pytest.approx(
+        900.0 + options[KEEP] - options[INT8])
+    assert table.backward_transient(compressed, Tokens(100, head=80)) == pytest.approx(800.0 + 800.0 * 2)
+
+
+def test_the_codecs_working_memory_follows_the_largest_compressed_saves_up_to_its_cap():
+    table = _table(transient_bytes=600.0, forward_transient_bytes=300.0, codec_transient=2.0, codec_transient_cap=5000.0)
+    gc = {u.name: RECOMPUTE for u in table.units if u.name.startswith("layers.")}
+    mlp_int8 = dict(gc, **{"layers.0.mlp": INT8})  # 3000 bytes of bf16 saves: 1500 elements
+    assert table.forward_transient(100, mlp_int8) == pytest.approx(300.0 + 2.0 * 1500)
+    assert table.backward_transient(mlp_int8, 100) == pytest.approx(600.0 - 3000.0 + 3000.0 + 2.0 * 1500)
+    assert table.forward_transient(400, mlp_int8) == pytest.approx(4 * 300.0 + 5000.0)  # the cap: chunks
+    assert table.forward_transient(100, gc) == 300.0  # GC's plan compresses nothing
