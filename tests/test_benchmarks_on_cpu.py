@@ -36,7 +36,10 @@ def test_every_benchmark_script_is_tested_here():
 
 
 def test_peak_model_prints_the_predicted_and_measured_peak_of_each_budget():
-    out = _script("peak_model.py", "--budgets", "1.0,1.5", *TINY, "--groups", "2", "--response-len", "32")
+    # every response trained: with the zero-exposure skip this toy step's probe is one sequence, which
+    # has no half probe, and its fixed transients then scale with the tokens (1.25-1.36 here)
+    out = _script("peak_model.py", "--budgets", "1.0,1.5", *TINY, "--groups", "2", "--response-len", "32",
+                  "--zero-advantage-share", "0")
     ratios = [float(r) for r in re.findall(r"predicted / measured ([0-9.]+)", out)]
     assert len(ratios) == 2, out
     # the memory model's stated bound is 5% at the bench's sizes; at this toy size a loose sanity band
