@@ -30,6 +30,9 @@ from hilore_verl.runtime.finite_checks import Unchecked, WaitCount
 from hilore_verl.runtime.records import (Checked, Compressed, Kept, VersionWatch, geometry_of,
                                          storage_id, storage_key)
 
+# a plan's group size, then each smaller one (`SavedTensors._quantize`), computed once: it runs per save
+FINER_FIRST = {g: (g, *sorted((s for s in GROUP_SIZES if s < g), reverse=True)) for g in GROUP_SIZES}
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KEEP_MODE, COMPRESS_MODE, RECOMPUTE_MODE = Mode.KEEP, Mode.COMPRESS, Mode.RECOMPUTE  # compared by identity in pack
 # exact copies held beside their payloads while inf / nan checks are on their way to the host, at most
@@ -331,7 +334,7 @@ class SavedTensors:
         size that does (finer groups: a smaller error, a few more scale bytes), so that whether a
         tensor compresses does not turn on its row count (logits over a vocabulary of 4000 with an odd
         number of rows fit 32 and not 64). None when no group fits (the tensor is then kept exact)."""
-        for g in (plan.group_size, *sorted((s for s in GROUP_SIZES if s < plan.group_size), reverse=True)):
+        for g in FINER_FIRST[plan.group_size]:
             if t.shape[-1] % g == 0:
                 source = t
             elif t.is_contiguous() and t.numel() % g == 0:
