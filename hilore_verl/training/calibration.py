@@ -19,7 +19,7 @@ import torch
 from hilore_verl.training.config import HiLoReConfig
 from hilore_verl.planner import profile
 from hilore_verl.planner.costs import CostTable, measured_values, set_measured_values
-from hilore_verl.training.probe import half_probe, probe_indices, probe_token_bound
+from hilore_verl.training.probe import half_probe, probe_indices, probe_token_bound, profile_indices
 from hilore_verl.loss.risk import RiskModel, calibrate_by_group
 from hilore_verl.runtime import RECOMPUTE, Runtime, UnitPlan
 
@@ -36,7 +36,7 @@ def measure(config: HiLoReConfig, runtime: Runtime, passes, collectives,
     a loss term: the session then calibrates it at the first mini-batch that has one
     (`calibrate_risk`)."""
     bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
-    costs = _profile(config, runtime, passes, collectives, probe(passes, micro_batches[0], bound))
+    costs = _profile(config, runtime, passes, collectives, probe(passes, micro_batches[0], bound, profile=True))
     average_over_ranks(collectives, costs, None)
     risk = None
     if config.risk_budget > 0 and passes.has_coefficients:
@@ -67,10 +67,11 @@ def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, 
     return model.calibrated
 
 
-def probe(passes, micro_batch, bound: int, priority=None):
-    """Whole sequences of `micro_batch` up to `bound` tokens (training/probe.py)."""
+def probe(passes, micro_batch, bound: int, priority=None, profile: bool = False):
+    """Whole sequences of `micro_batch` up to `bound` tokens (training/probe.py); `profile`: the cost
+    profile's probe, two sequences where one alone would leave no half probe (`profile_indices`)."""
     lengths = passes.lengths(micro_batch)
-    index = probe_indices(lengths, bound, priority)
+    index = profile_indices(lengths, bound) if profile else probe_indices(lengths, bound, priority)
     return micro_batch if len(index) == len(lengths) else passes.select(micro_batch, index)
 
 

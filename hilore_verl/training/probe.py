@@ -5,7 +5,8 @@ before any plan exists. On all of a large micro-batch's tokens those passes woul
 steps, and a probe that keeps one layer's activations would go past GC's peak on exactly the
 jobs that need GC. So the probe is a few whole sequences of a micro-batch (always at least one),
 at most `probe_token_bound` tokens: the configured bound (hilore.profile_tokens) and 1/8 of the
-tokens a rank trains on in the step, so the ~18 probe passes cost about two steps' work. The cost
+tokens a rank trains on in the step, so the ~18 probe passes cost about two steps' work (the profile
+takes two sequences up to twice that where one alone would fit: `profile_indices`). The cost
 table scales its figures from the probe's tokens (`CostTable.grow`; `half_probe` gives the second,
 smaller probe that measures what grows faster than linearly, and the fixed per-call part of unit
 times that a small probe on a GPU is bound by), and the risk model is calibrated against the
@@ -54,6 +55,23 @@ def probe_indices(lengths: Sequence[int], max_tokens: int, priority: Sequence[fl
             chosen.append(i)
             total += int(lengths[i])
     return sorted(chosen)
+
+
+def profile_indices(lengths: Sequence[int], max_tokens: int) -> list[int]:
+    """The profile's probe: `probe_indices` in the sequences' order; where that is one sequence of
+    several, the two shortest instead when they total at most 2 * max_tokens. A probe of one sequence
+    has no half probe (`half_probe`), and its fixed parts (autocast's weight copies) would then scale
+    with the tokens; two bring one, for at most twice the bound's work. Longer ones stay one sequence
+    (the log says so: calibration._profile).
+
+        profile_indices([71, 66, 90, 80], 73)  # -> [0, 1]: 71 alone fits the bound, 71 + 66 <= 146
+        profile_indices([300, 240], 73)        # -> [0]: 540 > 146
+    """
+    index = probe_indices(lengths, max_tokens)
+    if len(index) > 1 or len(lengths) < 2 or max_tokens == 0:
+        return index
+    pair = sorted(range(len(lengths)), key=lambda i: int(lengths[i]))[:2]  # stable: equal lengths in order
+    return sorted(pair) if sum(int(lengths[i]) for i in pair) <= 2 * max_tokens else index
 
 
 def half_probe(lengths: Sequence[int], index: Sequence[int]) -> list[int] | None:

@@ -10,7 +10,8 @@ import hilore_verl
 from hilore_verl.bench.actor_update import BenchConfig, build_model, forward_context, loss_of, make_batch, probe_batch
 from hilore_verl.planner import CostTable, UnitProfile, profile
 from hilore_verl.planner.growth import quadratic_share
-from hilore_verl.training.probe import MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound
+from hilore_verl.training.probe import (MIN_PROBE_TOKENS, STEP_SHARE, half_probe, probe_indices, probe_token_bound,
+                                       profile_indices)
 from hilore_verl.runtime import UnitPlan
 from hilore_verl.runtime.saving import is_parameter_like
 
@@ -44,6 +45,16 @@ def test_half_probe():
     assert half_probe(lengths, [2, 3, 1]) == [2]  # 150 tokens -> at most 75: 60, then neither 50 nor 40 fits
     assert half_probe([160, 102], [0, 1]) == [1]  # two uneven sequences: the one that fits in half
     assert half_probe([30, 70, 20, 80], [0, 1, 2, 3]) == [2, 3]  # 200 -> at most 100: 80, then 20 fits
+
+
+def test_the_profile_probes_two_sequences_where_one_alone_would_leave_no_half_probe():
+    assert profile_indices([71, 66, 90, 80], 73) == [0, 1]  # 71 alone fits; the two shortest, 137 <= 146
+    assert half_probe([71, 66, 90, 80], profile_indices([71, 66, 90, 80], 73)) == [1]
+    assert profile_indices([90, 40, 30, 80], 73) == [1, 2]  # 90 comes first, past the bound
+    assert profile_indices([300, 240], 73) == [0]  # 540 > 146: one sequence, as probe_indices
+    assert profile_indices([50], 73) == [0]  # nothing else
+    assert profile_indices([30, 20, 25], 73) == probe_indices([30, 20, 25], 73) == [0, 1]  # several fit already
+    assert profile_indices([30, 20], 0) == [0, 1]  # 0: every sequence
 
 
 @pytest.mark.parametrize("a, b", [(1000.0, 0.0), (1000.0, 3.0), (0.0, 5.0), (250.0, 0.5)])
@@ -299,7 +310,7 @@ def test_the_transients_at_the_micro_batch_follow_the_probes(share):
     forward's within 15%: the ops after the layers are grown by the head's rows, and the norm's and the
     logits' follow the tokens, which grow less than the rows here; measured 1.12 at a zero share)."""
     from hilore_verl.bench import methods as M
-    from hilore_verl.measure.peak_memory import allocations
+    from hilore_verl.measure.allocations import allocations
     from hilore_verl.planner import BudgetConfig
 
     config = BenchConfig(hidden_size=256, num_layers=2, vocab_size=2000, zero_advantage_share=share,
