@@ -7,7 +7,7 @@ Builds HiLoRe's planner on the bench's workload (attention per sequence, the zer
 out, as `hilore-verl bench` runs it), then for each gc_ratio budget runs the plan the
 solver chooses there through the runtime on the bench's micro-batch, starting without gradients (the
 first micro-batch after zero_grad), and prints the plan, the model's peak and the tensors' peak (the
-state the pass starts with plus the most its allocations reach: hilore_verl.measure.peak_memory.allocations).
+state the pass starts with plus the most its allocations reach: hilore_verl.measure.allocations).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.actor_update import BenchConfig, make_batch
 from hilore_verl.bench.peak import state_bytes
-from hilore_verl.measure.peak_memory import allocations
+from hilore_verl.measure.allocations import allocations
 from hilore_verl.planner import BudgetConfig, Controller
 
 MiB = 2**20

@@ -6,7 +6,7 @@ Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_
 so freed memory leaves the process, and the CPU kernels' per-shape caches are off
 (run.NO_KERNEL_CACHES); after a warm-up step the kernel's high-water mark is reset
 (`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read; then, on the CPU, a third step's
-tensor bytes at their most (peak_memory.allocations over the state the step starts with: what the
+tensor bytes at their most (measure/allocations.py over the state the step starts with: what the
 memory model predicts, which the resident size, with the libraries' own memory, cannot check to 5%;
 on CUDA the peak is the allocator's already). The resident peak is reported over the process's
 resident size before the model was built (Python, torch, the libraries and the codec's compiled
@@ -91,7 +91,7 @@ def _peak_steps(built, batch, cuda: bool) -> tuple[int, int, int | None]:
         peak = _status_kib("VmHWM")
     tensors = None
     if not cuda:  # one more step with the allocator's events followed: the bytes tensors held at most
-        from hilore_verl.measure.peak_memory import allocations
+        from hilore_verl.measure.allocations import allocations
 
         alive = state_bytes(built.model, built.optimizer)
         tensors = (alive + allocations(lambda: built.step(batch)).peak) // 1024

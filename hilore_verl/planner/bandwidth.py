@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hilore_verl.kernels import quantize
-from hilore_verl.measure.peak_memory import allocations
+from hilore_verl.measure.allocations import allocations
 from hilore_verl.measure.timing import DeviceClock, fit_bandwidth
 
 SAMPLE_MIN_BYTES = 64 * 2**20  # off the CPU: smaller calls are launch-bound, their fit ill-conditioned

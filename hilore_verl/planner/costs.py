@@ -99,7 +99,7 @@ class CostTable:
     transient_bytes: float = 0.0
     """What the backward of a pass under GC's plan allocates at once beyond what its forward left held
     (its working memory, what a recomputed layer regenerates), measured at the probe from the
-    allocator's events (peak_memory.allocations); grows as the units' saved bytes grow. 0: not measured,
+    allocator's events (measure/allocations.py); grows as the units' saved bytes grow. 0: not measured,
     and the reserve is the largest unit's saved bytes."""
     transient_fixed: float = 0.0
     """Share of transient_bytes that does not grow with tokens (low-precision weight copies), measured
@@ -126,6 +126,10 @@ class CostTable:
     head_forward_transient_fixed: float = 0.0
     head_forward_transient_steep_bytes: float = 0.0
     head_forward_transient_steep_fixed: float = 0.0
+    head_forward_base_bytes: float = 0.0
+    """Of the forward's head part, the level its ops start from (lm_head's logits): grows with the layers'
+    tokens, the ops above it (head_forward_transient_*) with the head's rows. 0: not told apart."""
+    head_forward_base_fixed: float = 0.0
     codec_transient: float = 0.0
     """Bytes the codec allocates at once beyond its payload and output, per element it quantizes or
     dequantizes, up to `codec_transient_cap` (planner/bandwidth.codec_working_memory, on a sample at
@@ -316,7 +320,8 @@ class CostTable:
           GC's do until its call ends (a compressed save is quantized there): what it holds less is
           added to the head's part (an upper bound)."""
         layers = self._grown(self.forward_transient_bytes, self.forward_transient_fixed, tokens)
-        head = self._head_part("head_forward_transient", tokens)
+        head = (self._grown(self.head_forward_base_bytes, self.head_forward_base_fixed, tokens)
+                + self._head_part("head_forward_transient", tokens))
         if plan is None:
             return max(layers, head)
         copies = sum(u.fixed_bytes for u in self.units if in_layers(u.name) and plan.get(u.name, KEEP) != RECOMPUTE)
@@ -348,10 +353,11 @@ class CostTable:
         return options[KEEP].memory - options.get(choice, options[KEEP]).memory
 
     def growth(self, tokens: int) -> float:
-        """How the units' saved bytes grow together from the probe to `tokens` (each unit by its own rows,
-        `scale`): what a transient's share that follows the tokens grows by."""
-        saved = sum(u.saved_bytes for u in self.units)
-        return sum(self.saved(u, tokens) for u in self.units) / saved if saved > 0 else self.scale(tokens)
+        """How the layers' saved bytes grow together from the probe to `tokens` (with their quadratic
+        shares): what a transient's share that follows the layers' tokens grows by."""
+        layers = [u for u in self.units if in_layers(u.name)]
+        saved = sum(u.saved_bytes for u in layers)
+        return sum(self.saved(u, tokens) for u in layers) / saved if saved > 0 else self.scale(tokens)
 
     def head_growth(self, tokens: int) -> float:
         """How the head's rows grow from the probe to `tokens` (`scale` of a unit outside the layers)."""

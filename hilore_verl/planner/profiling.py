@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from hilore_verl.kernels import payload_ratio
-from hilore_verl.measure.peak_memory import Allocations
+from hilore_verl.measure.allocations import Allocations
 from hilore_verl.planner.bandwidth import bandwidths
 from hilore_verl.planner.costs import CostTable, Tokens, UnitProfile, in_layers
 from hilore_verl.planner.growth import fixed_share, group_times, quadratic_share

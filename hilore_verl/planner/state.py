@@ -18,17 +18,19 @@ from hilore_verl.planner.costs import CostTable, UnitProfile
 from hilore_verl.loss.risk import RiskModel
 
 STATE_FORMAT = "hilore-verl/controller-state"
-STATE_VERSION = 5
+STATE_VERSION = 6
 # read too: version 1 also held the audit's copy of the risk budget (audit_budget); versions 1 and 2 had
 # no measured transient (costs.transient_bytes: 0, the table reserves its largest unit, as they planned);
 # versions 1 to 3 no weight copies or element sizes per unit (units' fixed_bytes: 0, their unmanaged bytes
 # held them; element_size 0: the table's) and
 # no head rows (costs.head_rows: 0, the head scaled with the tokens) and one transient for both phases
 # (costs.forward_transient_bytes: 0); versions 1 to 4 no head's part of the transients (costs.head_*: 0,
-# the layers' figures stood for whole phases) and no codec working memory (costs.codec_transient: 0)
-OLD_VERSIONS = (1, 2, 3, 4)
+# the layers' figures stood for whole phases) and no codec working memory (costs.codec_transient: 0);
+# versions 1 to 5 no base of the forward's head part (costs.head_forward_base_*: 0, its ops' figures hold it)
+OLD_VERSIONS = (1, 2, 3, 4, 5)
 MAX_STATE_BYTES = 64 * 2**20  # a real state is a few KiB per hundred units
-HEAD_TRANSIENTS = ("head_transient", "head_transient_steep", "head_forward_transient", "head_forward_transient_steep")
+HEAD_TRANSIENTS = ("head_transient", "head_transient_steep", "head_forward_transient", "head_forward_transient_steep",
+                   "head_forward_base")
 
 
 def costs_of(state: dict) -> CostTable:

@@ -84,9 +84,15 @@ def test_the_heads_part_follows_its_rows_as_the_larger_of_two_ops():
     gc = {u.name: RECOMPUTE for u in table.units if u.name.startswith("layers.")}
     assert table.backward_transient(gc, Tokens(100, head=40)) == 600.0  # the probe: the layers' part
     assert table.backward_transient(gc, Tokens(100, head=80)) == 800.0  # twice the rows: the steep op
-    grown = table.growth(Tokens(300, head=40))  # the units' saves: the layers' 3x, the head's rows 1x
-    assert 2.5 < grown < 3 and table.backward_transient(gc, Tokens(300, head=40)) == pytest.approx(600.0 * grown)
+    grown = table.growth(Tokens(300, head=40))  # the layers' saves, 3x: the head's rows do not count
+    assert grown == pytest.approx(3.0) and table.backward_transient(gc, Tokens(300, head=40)) == pytest.approx(1800.0)
     assert table.forward_transient(Tokens(100, head=120)) == 900.0 * (0.5 + 0.5 * 3)
+    # the level the head's ops start from (lm_head's logits) follows the tokens, the ops above it the rows
+    based = _table(forward_transient_bytes=300.0, head_forward_transient_bytes=900.0, head_forward_transient_fixed=0.5,
+                   head_forward_base_bytes=200.0, head_forward_base_fixed=0.25)
+    assert based.forward_transient(Tokens(100, head=40)) == pytest.approx(1100.0)  # the probe: 200 + 900
+    assert based.forward_transient(Tokens(300, head=40)) == pytest.approx(200.0 * (0.25 + 0.75 * 3) + 900.0)
+    assert based.forward_transient(Tokens(100, head=120)) == pytest.approx(200.0 + 900.0 * 2)
     # a head that compresses: its saves exist until its call ends, and its backward makes them again
     compressed = dict(gc, head=INT8)
     options = {o.plan: o.memory for o in table.options(table.units[-1], Tokens(100, head=40))}

@@ -8,7 +8,7 @@ import torch
 from hilore_verl.bench import methods as M
 from hilore_verl.bench.actor_update import BenchConfig, layer_tokens, make_batch
 from hilore_verl.bench.peak import state_bytes
-from hilore_verl.measure.peak_memory import allocations
+from hilore_verl.measure.allocations import allocations
 from hilore_verl.planner import BudgetConfig
 
 MiB = 2**20
@@ -71,7 +71,7 @@ def test_allocations_split_each_phase_at_the_marks():
     class Layer(torch.autograd.Function):  # 5 MiB of working memory each way
         @staticmethod
         def forward(ctx, x):
-            mark()  # as at a layer unit's start and end (planner/transient.layer_marks)
+            mark()  # as at a layer unit's start and end (planner/transient.pass_marks)
             torch.empty(5 * MiB, dtype=torch.uint8)  # allocated and freed
             mark()
             return x * 2
@@ -107,6 +107,74 @@ def test_allocations_split_each_phase_at_the_marks():
     unmarked = allocations(lambda: Head.apply(Layer.apply(x)).sum().backward())
     assert unmarked.forward_tail == () and unmarked.backward_lead == ()
     assert unmarked.forward_body_during == unmarked.forward_during  # no marks: the whole phase
+
+
+class _Work(torch.autograd.Function):  # f MiB of working memory in the forward, b in the backward
+    @staticmethod
+    def forward(ctx, x, f, b):
+        ctx.b = b
+        torch.empty(f * MiB, dtype=torch.uint8)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.empty(ctx.b * MiB, dtype=torch.uint8)
+        return g * 2, None, None
+
+
+class _LogProbs(torch.autograd.Function):  # the head's call: saves 1 MiB, works in 2; 3 in its backward
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.save_for_backward(torch.empty(MiB, dtype=torch.uint8))
+        torch.empty(2 * MiB, dtype=torch.uint8)
+        return logits[:16].sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.empty(3 * MiB, dtype=torch.uint8)
+        return torch.zeros(MiB).mul_(g)  # the logits' gradient, 4 MiB
+
+
+def test_the_heads_call_marks_move_lm_head_into_the_phases_bodies():
+    """pass_marks also marks the head's call (`Runtime.call`) and where its inputs' gradients are made: the
+    forward's tail starts at the call, with the level lm_head's logits left there (call_base) and what
+    the call left held (call_held); the backward's lead ends at the logits' gradient, and lm_head's
+    backward counts with the body. The runtime's own `call` is back afterwards."""
+    import types
+
+    from hilore_verl.planner.transient import CALL_MARKS, LAYER_MARK, pass_marks
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return _Work.apply(x, 1, 1)
+
+    class LmHead(torch.nn.Module):  # 4 MiB of logits; 6 MiB of working memory in its backward
+        def forward(self, x):
+            return _Work.apply(x, 0, 6).repeat(MiB // x.numel())
+
+    class Runtime:
+        def __init__(self, layer):
+            self.units = [types.SimpleNamespace(layer_index=0, modules=[layer])]
+
+        def call(self, unit_name, fn, *args):
+            return fn(*args)
+
+    layer, lm_head = Layer(), LmHead()
+    runtime, x = Runtime(layer), torch.randn(64, requires_grad=True)
+    with pass_marks(runtime):
+        got = allocations(lambda: runtime.call("head", _LogProbs.apply, lm_head(layer(x))).backward(),
+                          marker=LAYER_MARK, call_marks=CALL_MARKS)
+    assert "call" not in vars(runtime)
+    small = 64 * 1024
+    assert got.call_marked and 4 * MiB <= got.call_base < 4 * MiB + small and MiB <= got.call_held < MiB + small
+    assert 4 * MiB <= got.forward_body_during < 4 * MiB + small  # the logits, in the body
+    assert [n for n, _ in got.forward_tail][0] == "_LogProbs" and 7 * MiB <= got.forward_tail[0][1] < 7 * MiB + small
+    assert len(got.backward_lead) == 1 and "_LogProbsBackward" in got.backward_lead[0][0]
+    assert 5 * MiB <= got.backward_lead[0][1] < 5 * MiB + small  # its save and the logits' gradient
+    assert 6 * MiB <= got.backward_body_during < 6 * MiB + small  # lm_head's backward
+    layers_only = allocations(lambda: runtime.call("head", _LogProbs.apply, lm_head(layer(x))).backward(),
+                              marker=LAYER_MARK, call_marks=CALL_MARKS)  # no marks: no split
+    assert not layers_only.call_marked and layers_only.forward_tail == () and layers_only.call_base == 0.0
 
 
 CONFIG = BenchConfig(hidden_size=192, num_layers=3, vocab_size=2048, num_groups=3, group_size=8, max_prompt_len=48,

@@ -381,7 +381,7 @@ def test_the_controller_state_round_trips_through_json_exactly(tiny):
     _, rt, _, _, costs = tiny
     state = _calibrated_state(costs)
     text = dump_state(state)
-    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 5
+    assert json.loads(text)["format"] == STATE_FORMAT and json.loads(text)["version"] == 6
     loaded = load_state(text, [u.name for u in rt.units])
     assert loaded == json.loads(json.dumps(state))  # every float bit for bit (tuples come back as lists)
     assert costs_of(loaded) == costs
@@ -435,6 +435,22 @@ def test_a_state_from_before_the_measured_transient_plans_with_the_old_reserve(t
     assert table.transient(3 * table.tokens) == largest
 
 
+def test_a_version_5_state_has_no_base_of_the_forwards_head_part(tiny):
+    """Version 5 measured the head's forward ops above what the forward held (their figures hold lm_head's
+    logits): it loads with head_forward_base 0 and prices the head's part as it did; version 6 needs it."""
+    from hilore_verl.planner.state import costs_of, dump_state, load_state
+
+    _, rt, _, _, costs = tiny
+    doc = json.loads(dump_state(_calibrated_state(costs)))
+    for key in ("head_forward_base_bytes", "head_forward_base_fixed"):
+        del doc["state"]["costs"][key]
+    with pytest.raises(ValueError, match="missing head_forward_base_bytes, head_forward_base_fixed"):
+        load_state(json.dumps(doc))
+    doc["version"] = 5
+    table = costs_of(load_state(json.dumps(doc), [u.name for u in rt.units]))
+    assert table.head_forward_base_bytes == 0.0 and table.head_forward_base_fixed == 0.0
+
+
 def _edit(text, change):
     doc = json.loads(text)
     change(doc["state"])
@@ -446,7 +462,7 @@ def _edit(text, change):
     ("not utf-8", "not JSON"),
     ("a list", "not a hilore-verl controller state"),
     ("foreign", "not a hilore-verl controller state"),
-    ("version", "version 6; this hilore-verl reads versions 1, 2, 3, 4, 5"),
+    ("version", "version 7; this hilore-verl reads versions 1, 2, 3, 4, 5, 6"),
     ("nan", "non-finite number NaN"),
     ("huge", "valid: a finite number >= 0"),
     ("string", r"state.costs.units\[0\].saved_bytes: got '12'; valid: a finite number >= 0"),
@@ -474,7 +490,7 @@ def test_a_malformed_controller_state_is_refused_with_the_reason(tiny, case, mat
         "not utf-8": lambda: b"\xff\xfe\xfa garbage",
         "a list": lambda: "[1, 2, 3]",
         "foreign": lambda: json.dumps({"step": 3, "state": {}}),
-        "version": lambda: text.replace('"version": 5', '"version": 6'),
+        "version": lambda: text.replace('"version": 6', '"version": 7'),
         "nan": lambda: _edit(text, lambda s: s.update(risk_budget=1.0)).replace('"risk_budget": 1.0',
                                                                                   '"risk_budget": NaN'),
         "huge": lambda: _edit(text, lambda s: s["costs"]["units"][0].update(held_bytes=1.0)).replace(
@@ -508,9 +524,9 @@ def test_ranks_average_every_float_field_of_the_cost_table():
     # saves' element size and the weight copies;
     # the table's unmanaged, codec, host, region saving, unmanaged quadratic share, runtime overhead,
     # backward's transient (bytes, fixed share, gradients' share), forward's (bytes, fixed share), the head's
-    # parts (two ops per phase, bytes and fixed share), the codec's working memory (per element, cap) and
-    # kept pass: a new float field is averaged too
-    assert len(values) == 2 * 9 + 22 and 3.0 in values
+    # parts (two ops per phase, bytes and fixed share; the forward's base), the codec's working memory (per
+    # element, cap) and kept pass: a new float field is averaged too
+    assert len(values) == 2 * 9 + 24 and 3.0 in values
     set_measured_values(costs, [v * 2 for v in values])
     assert costs.region_saving_bytes == 6.0 and costs.units[1].held_bytes == 8.0 and costs.tokens == 64
 
