@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._C._profiler import _EventType
 
 AUTOGRAD_ENGINE = "autograd::engine::"  # the profiler's name for the backward's nodes
 
@@ -168,7 +169,6 @@ def _windows(marks: dict[str, list[int]], marker: str | None, call_marks: tuple[
 
 
 def _is_allocation(event) -> bool:
-    from torch._C._profiler import _EventType
     return event.tag == _EventType.Allocation
 
 
