@@ -21,11 +21,14 @@ three when the chunks came from and went back to malloc's heap (its mmap thresho
 freed); the demo's model, one rank in-process, read 0.068-0.103 GiB from one mini-batch to the next
 for a plan predicted at 0.059-0.062 GiB.
 
-Where neither is available (another OS, /proc not writable) `PeakMeter.available` is False with the
+Where neither is available (another OS, /proc not writable, a high-water mark that does not rise by a
+32 MiB mapping written page by page when the meter is made) `PeakMeter.available` is False with the
 reason, and the session plans without the feedback (and says so once).
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -34,6 +37,7 @@ from hilore_verl.measure import host_memory
 CLEAR_REFS = "/proc/self/clear_refs"
 HOST_NOISE_BYTES = 64 * 2**20
 DEVICE_NOISE_BYTES = 20 * 2**20  # the caching allocator's largest segment rounding
+CHECK_BYTES = 32 * 2**20  # the mapping the host meter checks the mark with, once, when it is made
 
 
 class PeakMeter:
@@ -46,8 +50,7 @@ class PeakMeter:
         self._start: float | None = None
         if not self.cuda:
             try:
-                self._reset_host_peak()
-                host_memory.peak_resident_bytes()
+                self.why_not = self._check_host_peak()
             except (OSError, RuntimeError) as err:
                 self.why_not = f"the resident high-water mark cannot be reset or read here ({err})"
 
@@ -75,6 +78,23 @@ class PeakMeter:
         added = host_memory.peak_resident_bytes() - self._start
         self._start = None
         return static_bytes + max(added, 0.0)
+
+    @classmethod
+    def _check_host_peak(cls) -> str | None:
+        """Reset the mark, touch every page of a fresh anonymous mapping (no malloc in between), read the mark:
+        None where it rose by the mapping, else why the mark cannot be used here."""
+        cls._reset_host_peak()
+        start = host_memory.resident_bytes()
+        block = mmap.mmap(-1, CHECK_BYTES)
+        try:
+            block[::mmap.PAGESIZE] = b"\x01" * (CHECK_BYTES // mmap.PAGESIZE)  # one write a page
+            added = host_memory.peak_resident_bytes() - start
+        finally:
+            block.close()
+        if added < 0.9 * CHECK_BYTES:
+            return (f"the resident high-water mark rose by {added / 2**20:.1f} MiB over a {CHECK_BYTES >> 20} MiB "
+                    "mapping whose every page was written (the kernel does not keep it exactly here)")
+        return None
 
     @staticmethod
     def _reset_host_peak() -> None:
