@@ -2,6 +2,7 @@
 say so), never before the minimum, and every sweep budget stops on its own."""
 
 import functools
+import gc
 import math
 import random
 
@@ -111,9 +112,10 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
     from hilore_verl.bench import run as R
     from hilore_verl.bench import timer as T
 
-    clock, rng, real_step = Clock(), random.Random(1), T.Timer.step
+    clock, rng, real_step, frozen = Clock(), random.Random(1), T.Timer.step, []
 
     def step(self, key):
+        frozen.append(gc.get_freeze_count())
         if key not in self.seen:  # one real step per key: its controller plans once
             self.seen.add(key)
             real_step(self, key)
@@ -132,6 +134,8 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
                        max_response_len=32, zero_advantage_share=0.0, min_rounds=3, target_ci=0.02, time_cap_s=100.0,
                        sweep_time_cap_s=100.0)
     report = run_bench(tiny, methods=("gc", "hilore"), sweep=True, peaks=False)
+    # what was built is frozen for the rounds only: not for the runner-ups' first step, nor after
+    assert frozen[0] == 0 and frozen[-1] > 1000 and gc.get_freeze_count() == 0
     sets = {s["label"]: s for s in report["rounds"]}
     assert list(sets) == ["methods", "budget 1.0", "budget 1.1", "budget 1.25", "budget 1.5", "budget no_gc"]
     for label, s in sets.items():
