@@ -175,7 +175,7 @@ def _bench_banner(args: argparse.Namespace, config, methods: tuple[str, ...]) ->
             f"{args.budget if args.budget == 'no_gc' else f'{args.budget:g}x GC'}'s peak; "
             + (f"{config.rounds} paired rounds per set" if config.rounds is not None else
                f"paired rounds until every 95% interval is within +-{100 * config.target_ci:g}% (at least "
-               f"{config.min_rounds}, {config.time_cap_s:g} s of rounds at most for the methods, {config.sweep_time_cap_s:g} s for the sweep)"))
+               f"{config.min_rounds}, {config.time_cap_s:g} s of rounds at most for the methods, {config.sweep_time_cap_s:g} s and what they leave for the sweep)"))
 
 
 def _bench_outputs(args: argparse.Namespace, config, report: dict) -> int:

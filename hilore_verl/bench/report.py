@@ -219,7 +219,8 @@ def _rule(stop: dict) -> str:
         return f"{stop['fixed']} rounds per set, fixed"
     return (f"every interval within +-{100 * stop['target']:g}% of its ratio, at least {stop['min_rounds']} rounds, "
             f"{stop['time_cap_s']:g} s of rounds for the methods' set"
-            + (f", {stop['sweep_time_cap_s']:g} s shared by the sweep's budgets" if "sweep_time_cap_s" in stop else ""))
+            + (f", {stop['sweep_time_cap_s']:g} s and what the methods' set left shared by the sweep's budgets"
+               if "sweep_time_cap_s" in stop else ""))
 
 
 def _summary_lines(s: dict) -> list[str]:

@@ -43,7 +43,7 @@ class StopRule:
     """The widest 95% half-width allowed, relative to the ratio (0.02: +-2%)."""
     min_rounds: int = 3
     time_cap_s: float = 900.0
-    """Seconds of timed rounds for the methods' set (`caps`). On the 2-core CPU the default methods'
+    """Seconds of timed rounds for the methods' set; what it leaves goes to the sweep (`sweep_cap`). On the 2-core CPU the default methods'
     ratios spread by 2.6-4.8% per round (sd); +-2% took 25 rounds of 15 s (docs/benchmarks/bench_cpu.md)."""
     fixed: int | None = None
     """Exactly this many rounds per set: no target, no cap."""
@@ -54,7 +54,7 @@ class StopRule:
     trial's longest (two stages of LONG_TRIALS pairs and each arm's warm-up, planner/arms.py) and the first
     plans' two steps."""
     sweep_time_cap_s: float = 300.0
-    """Seconds of timed rounds shared equally by the sweep's budgets (`caps`)."""
+    """Seconds of timed rounds shared by the sweep's budgets, with what the methods' set left (`sweep_cap`)."""
 
     def __post_init__(self):
         if not self.target >= 0 or self.min_rounds < 1 or not self.time_cap_s > 0 or not self.sweep_time_cap_s > 0 or self.warmup < 0 or self.settle_max < 0 or (
@@ -143,9 +143,13 @@ def widest(times: dict[Hashable, list[float]], baseline: Hashable = "gc") -> tup
     return widths[key], key
 
 
-def caps(rule: StopRule, sweep_sets: int) -> tuple[float, float]:
-    """(the methods' set's cap, each sweep set's): the rule's sweep cap shared equally by its budgets."""
-    return rule.time_cap_s, (rule.sweep_time_cap_s / sweep_sets if sweep_sets else 0.0)
+def sweep_cap(rule: StopRule, methods_elapsed_s: float, sweep_elapsed_s: float, sets_left: int) -> float:
+    """The next sweep set's cap: the sweep's seconds (its own cap, plus what the methods' set left of
+    `time_cap_s` when it stopped at the target) less what its earlier sets took, shared equally by the
+    sets still to run. A set that stops early leaves its rest to the later ones; the rounds of the whole
+    run stay within `time_cap_s + sweep_time_cap_s`."""
+    left = rule.sweep_time_cap_s + max(rule.time_cap_s - methods_elapsed_s, 0.0) - sweep_elapsed_s
+    return max(left, 0.0) / sets_left if sets_left > 0 else 0.0
 
 
 def _stderr(line: str) -> None:
@@ -218,4 +222,4 @@ def _needed(result: RoundSet, baseline: Hashable, rule: StopRule) -> None:
             result.seconds_needed = result.rounds_needed * result.elapsed_s / result.rounds
 
 
-__all__ = ["RoundSet", "StopRule", "caps", "half_widths", "key_name", "rotated", "rounds_needed", "run_rounds", "widest"]
+__all__ = ["RoundSet", "StopRule", "half_widths", "key_name", "rotated", "rounds_needed", "run_rounds", "sweep_cap", "widest"]

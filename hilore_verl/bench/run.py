@@ -40,7 +40,7 @@ from hilore_verl.bench.peak import FIRST_STEP
 from hilore_verl.bench.session_passes import plan_counts
 from hilore_verl.bench.report import (GC_OVERHEAD_RANGE, append_record, plot, save_json,  # noqa: F401 - re-exported
                                       save_markdown, summarize, table)
-from hilore_verl.bench.rounds import StopRule, caps, half_widths, run_rounds
+from hilore_verl.bench.rounds import StopRule, half_widths, run_rounds, sweep_cap
 from hilore_verl.bench.timer import Timer, spelled
 from hilore_verl.measure.intervals import mean_ci, paired_ratio_ci
 from hilore_verl.bench.actor_update import (MAX_PADDING_SHARE, BenchConfig, build_model, head_flop_share, make_batch,
@@ -193,11 +193,12 @@ def _paired_rounds(built: dict[str, M.Method], timer: Timer, rule: StopRule, pro
     """The methods' paired rounds, then each budget's own (GC's steps their baseline), each set stopped by
     `rule` within its share of the time cap. The first set is the methods'."""
     ratios = [r for r in (*SWEEP, "no_gc") if any(k[1] == r for k in timer.variants)]
-    main_cap, sweep_cap = caps(rule, len(ratios))
-    sets = [run_rounds("methods", list(built), timer.step, rule, main_cap, log=progress.line, settled=timer.settled)]
-    for ratio in ratios:  # each budget its own paired rounds, with GC's steps as their baseline
+    sets = [run_rounds("methods", list(built), timer.step, rule, rule.time_cap_s, log=progress.line,
+                       settled=timer.settled)]
+    for i, ratio in enumerate(ratios):  # each budget its own paired rounds, with GC's steps as their baseline
         keys = ["gc"] * ("gc" in built) + [k for k in timer.variants if k[1] == ratio]
-        sets.append(run_rounds(f"budget {ratio}", keys, timer.step, rule, sweep_cap, log=progress.line,
+        cap = sweep_cap(rule, sets[0].elapsed_s, sum(s.elapsed_s for s in sets[1:]), len(ratios) - i)
+        sets.append(run_rounds(f"budget {ratio}", keys, timer.step, rule, cap, log=progress.line,
                                settled=timer.settled))
     return sets
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from hilore_verl.bench import rounds as Rd
-from hilore_verl.bench.rounds import StopRule, caps, run_rounds, widest
+from hilore_verl.bench.rounds import StopRule, run_rounds, sweep_cap, widest
 
 
 class Clock:
@@ -98,7 +98,10 @@ def test_without_gc_each_throughput_interval_is_weighed_and_the_cap_is_shared():
     result, _ = _run({"hilore": 0.01, "keep_recompute": 0.01}, StopRule(), cap=1e6)
     assert result.stopped_by == "target" and set(Rd.half_widths(result.times)) == {"hilore", "keep_recompute"}
     rule = StopRule(time_cap_s=900, sweep_time_cap_s=300)
-    assert caps(rule, 0) == (900, 0.0) and caps(rule, 5) == (900, 60)
+    assert sweep_cap(rule, 900, 0, 5) == 60 and sweep_cap(rule, 950, 0, 5) == 60  # the methods took their cap
+    assert sweep_cap(rule, 400, 0, 5) == 160  # what the methods left goes to the sweep
+    assert sweep_cap(rule, 400, 55, 4) == pytest.approx(745 / 4)  # a set that stopped early leaves its rest
+    assert sweep_cap(rule, 900, 400, 1) == 0 and sweep_cap(rule, 900, 0, 0) == 0
     with pytest.raises(ValueError):
         StopRule(target=math.nan)
     with pytest.raises(ValueError):
@@ -140,7 +143,10 @@ def test_every_sweep_budget_stops_on_its_own(monkeypatch):
     assert list(sets) == ["methods", "budget 1.0", "budget 1.1", "budget 1.25", "budget 1.5", "budget no_gc"]
     for label, s in sets.items():
         if label == "budget 1.5":
-            assert s["stopped_by"] == "time cap" and not s["reached"] and s["cap_s"] == 20.0 and s["rounds"] >= 3
+            # its share: the sweep's 100 s and what the methods left, less the earlier budgets', over two sets
+            left = 100.0 + 100.0 - sets["methods"]["elapsed_s"] - sum(sets[f"budget {r}"]["elapsed_s"] for r in (1.0, 1.1, 1.25))
+            assert s["stopped_by"] == "time cap" and not s["reached"] and s["rounds"] >= 3
+            assert s["cap_s"] == pytest.approx(left / 2) and s["cap_s"] > 50.0
         else:
             assert s["stopped_by"] == "target" and s["reached"] and s["rounds"] == 3, s
     assert report["ci_reached"] is False and report["ci_half_width"] == sets["budget 1.5"]["half_width"]
