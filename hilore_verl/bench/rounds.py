@@ -43,8 +43,9 @@ class StopRule:
     """The widest 95% half-width allowed, relative to the ratio (0.02: +-2%)."""
     min_rounds: int = 3
     time_cap_s: float = 900.0
-    """Seconds of timed rounds for the methods' set; what it leaves goes to the sweep (`sweep_cap`). On the 2-core CPU the default methods'
-    ratios spread by 2.6-4.8% per round (sd); +-2% took 25 rounds of 15 s (docs/benchmarks/bench_cpu.md)."""
+    """Seconds of timed rounds for the methods' set; what it leaves goes to the sweep (`sweep_cap`). On the
+    2-core CPU the default methods' rounds spread by 3.7-6.2% (sd); +-2% took 16-37 rounds of ~11 s
+    (docs/benchmarks/bench_cpu.md, 2026-12-07 (third))."""
     fixed: int | None = None
     """Exactly this many rounds per set: no target, no cap."""
     warmup: int = 1
