@@ -52,7 +52,6 @@ class Runtime:
         self._hands_off = False  # every unit kept under a training plan: forwards run as the plain model's
         self._measure = True  # forwards count the bytes they save (`stats()`); set_plan(measure=False): not
         self._measuring = 0  # open `measured()` scopes: their forwards count whatever set_plan said
-        self._hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
         self._installed = Installed()
         self._fwd: Forward | None = None
         self._hook_ctx: HookScope | None = None
@@ -75,12 +74,9 @@ class Runtime:
         layer whose checkpointing `attach` took over recomputed, every other unit kept) runs as HF
         checkpointing, also without the runtime. `hands_off=False` runs those plans through the runtime
         too (what its hooks cost, measured against the plain runs)."""
+        # a compressed tensor whose size the plan's group does not divide takes a group that fits, or stays
+        # exact (saving.py, `SavedTensors._quantize`): any hidden size takes any group size
         resolved = Plan.of(plan).resolve([u.name for u in self.units])
-        for unit, unit_plan in zip(self.units, resolved):
-            if unit_plan.mode == Mode.COMPRESS and self._hidden_size and self._hidden_size % unit_plan.group_size:
-                raise ValueError(f"group_size {unit_plan.group_size} for {unit.name} does not divide the hidden size "
-                                 f"{self._hidden_size}; valid group sizes here: "
-                                 f"{[g for g in (32, 64, 128) if self._hidden_size % g == 0]}")
         self._plans = resolved
         checkpoint = self.checkpoint_plan()
         as_checkpoint = checkpoint is not None and all(
