@@ -29,42 +29,48 @@ HALF_PROBE_AT_MOST = 0.6  # of the probe's computed tokens, for the profile's se
 
 
 def measure(config: HiLoReConfig, runtime: Runtime, passes, collectives,
-            micro_batches: list) -> tuple[CostTable, RiskModel | None]:
-    """The cost table and (with a risk budget and known coefficients) the risk model, measured on
-    probes of `micro_batches` (this rank's) and averaged over ranks; the runtime's plan is reset. The
-    risk model comes back uncalibrated (`RiskModel.calibrated` false) when no rank's micro-batches have
-    a loss term: the session then calibrates it at the first mini-batch that has one
-    (`calibrate_risk`)."""
+            micro_batches: list) -> tuple[CostTable, RiskModel | None, int]:
+    """The cost table, (with a risk budget and known coefficients) the risk model, measured on probes of
+    `micro_batches` (this rank's) and averaged over ranks, and `calibrate_risk`'s token figure (0 without
+    a risk model); the runtime's plan is reset. The risk model comes back uncalibrated
+    (`RiskModel.calibrated` false) when its probes measured nothing: the session then calibrates it
+    again later (`calibrate_risk`)."""
     bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
     costs = _profile(config, runtime, passes, collectives, probe(passes, micro_batches[0], bound, profile=True))
     average_over_ranks(collectives, costs, None)
-    risk = None
+    risk, tokens = None, 0
     if config.risk_budget > 0 and passes.has_coefficients:
         risk = RiskModel()
-        calibrate_risk(config, runtime, passes, collectives, micro_batches, risk)
+        tokens = calibrate_risk(config, runtime, passes, collectives, micro_batches, risk)
     passes.zero_grad()
     runtime.set_plan({})
-    return costs, risk
+    return costs, risk, tokens
 
 
 def calibrate_risk(config: HiLoReConfig, runtime: Runtime, passes, collectives, micro_batches: list,
-                   model: RiskModel) -> bool:
-    """Calibrate `model` in place on `micro_batches` (this rank's), averaged over ranks; True when it is
-    calibrated after. A mini-batch without a loss term on any rank (every coefficient zero: groups that
-    share one reward, the first steps of many GRPO runs) measures nothing: no probe runs, `model` is
-    unchanged and False comes back. Every rank decides alike (one reduction) and runs the same probe
-    passes, whose FSDP collectives pair; a rank whose own micro-batches have no exposure measures nothing
-    and takes the others' figures. `model` changes only when every probe has run."""
+                   model: RiskModel, at_least: int = 0) -> int:
+    """Calibrate `model` in place on `micro_batches` (this rank's), averaged over ranks. Returns the probes'
+    token bound summed over the ranks (every rank the same figure) where the probes ran, else 0; after
+    they ran, `model.calibrated` says whether they measured something (a probe whose saved tensors are
+    all below the runtime's `min_bytes` compresses nothing and measures no deviation).
+
+    No probe runs, `model` is unchanged and 0 comes back where no rank's micro-batches have a loss term
+    (every coefficient zero: groups that share one reward, the first steps of many GRPO runs) or where
+    the ranks' bound is below `at_least` (the session's floor after probes that measured nothing). Every
+    rank decides alike (one reduction) and runs the same probe passes, whose FSDP collectives pair; a
+    rank whose own micro-batches have no exposure measures nothing and takes the others' figures. `model`
+    changes only when every probe has run."""
     bound = probe_token_bound(config.profile_tokens, sum(sum(passes.lengths(mb)) for mb in micro_batches))
     squares = torch.stack([passes.coefficients(mb).double().pow(2).sum() for mb in micro_batches]).tolist()  # one read
-    if collectives.reduce([sum(squares)], "sum")[0] <= 0:
-        return False
+    exposure, tokens = collectives.reduce([sum(squares), float(bound)], "sum")
+    if exposure <= 0 or tokens < at_least:
+        return 0
     measured = _calibrate(config, runtime, passes, micro_batches, bound)
     _average_risk(collectives, [u.name for u in runtime.units], measured)
     passes.zero_grad()
     runtime.set_plan({})
     model.load_state_dict(measured.state_dict())
-    return model.calibrated
+    return max(int(tokens), 1)
 
 
 def probe(passes, micro_batch, bound: int, priority=None, profile: bool = False):

@@ -66,6 +66,7 @@ class Session:
         self._in_optimizer_step = False  # the current attempt's fault was inside the optimizer step
         self._timed: tuple | None = None  # the last mini-batch's (start mark, end mark), read at the next
         self._measured_now = False  # build_controller probed (rather than restored) at this call
+        self._calibration_floor = 0  # the ranks' probe tokens the next calibration needs (probes measured nothing)
         self._stepped = None  # this mini-batch's optimizer step, done: its snapshot (False: none was taken)
 
     # ------------------------------------------------------------------ checkpoints
@@ -101,12 +102,11 @@ class Session:
             logger.warning("hilore-verl: resumed from the checkpoint's costs and calibration (%d units, no probes)",
                            len(self.runtime.units))
             return
-        costs, risk = calibration.measure(self.config, self.runtime, self.passes, self.collectives, micro_batches)
+        costs, risk, tokens = calibration.measure(self.config, self.runtime, self.passes, self.collectives,
+                                                  micro_batches)
         self.controller = self._make_controller(costs, risk)
-        if risk is not None and not risk.calibrated:
-            logger.warning("hilore-verl: no loss term in the first mini-batch on any rank (every coefficient is "
-                           "zero): the risk model is not calibrated, so plans are exact (keep / recompute) until "
-                           "a mini-batch with a loss term calibrates it")
+        if risk is not None:
+            self._calibrated_on(tokens, late=False)
         largest = max(sum(self.passes.lengths(mb)) for mb in micro_batches)  # GC's peak as without shared prompts
         gc_peak = self.controller.predicted_peak(self.controller.gc_plan(), largest)
         logger.warning("hilore-verl: planning under %.3f GiB (gradient checkpointing needs %.3f GiB at %d tokens per "
@@ -200,13 +200,31 @@ class Session:
 
     def _calibrate(self, micro_batches) -> None:
         """The risk model, calibrated on this mini-batch where some rank's micro-batches have a loss term
-        (every rank decides alike); the controller plans lossy units from the next plan on."""
-        ctl = self.controller
-        if calibration.calibrate_risk(self.config, self.runtime, self.passes, self.collectives, micro_batches,
-                                      ctl.risk):
-            ctl.calibrated()
-            logger.warning("hilore-verl: risk model calibrated at step %d (the first mini-batch with a loss term, "
-                           "%d units measured): plans may compress from now on", self.step, len(ctl.risk.sensitivity))
+        and the ranks' probes may hold more than the last probes that measured nothing (every rank decides
+        alike); the controller plans lossy units from the next plan on."""
+        tokens = calibration.calibrate_risk(self.config, self.runtime, self.passes, self.collectives,
+                                            micro_batches, self.controller.risk, at_least=self._calibration_floor)
+        if tokens:
+            self._calibrated_on(tokens)
+
+    def _calibrated_on(self, tokens: int, late: bool = True) -> None:
+        """What a calibration's figure (`calibration.calibrate_risk`) means for the plans, said once each;
+        probes that measured nothing set the next try's floor at twice their tokens."""
+        risk = self.controller.risk
+        if risk.calibrated and late:
+            self.controller.calibrated()
+            logger.warning("hilore-verl: risk model calibrated at step %d (%d units measured): plans may compress "
+                           "from now on", self.step, len(risk.sensitivity))
+        elif not risk.calibrated and tokens:
+            self._calibration_floor = 2 * tokens
+            logger.warning("hilore-verl: the risk model's probes (%d tokens over the ranks) measured no gradient "
+                           "deviation (no saved tensor of theirs reached the runtime's min_bytes, or none the loss "
+                           "reaches): plans are exact (keep / recompute) until a mini-batch whose probes may hold "
+                           "%d tokens calibrates it", tokens, self._calibration_floor)
+        elif not risk.calibrated and not late:
+            logger.warning("hilore-verl: no loss term in the first mini-batch on any rank (every coefficient is "
+                           "zero): the risk model is not calibrated, so plans are exact (keep / recompute) until "
+                           "a mini-batch with a loss term calibrates it")
 
     def _begin(self, micro_batches, row_tokens) -> None:
         """Every micro-batch's predicted exposure (on-policy point) and tokens (those its layers compute

@@ -98,9 +98,10 @@ def _trainer(managed: bool, **config):
     model = build_tiny_model("qwen2", seed=0).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     session = None
+    min_bytes = config.pop("min_bytes", 1024)
     if managed:
-        runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=1024))
-        session = Session(HiLoReConfig(enable=True, min_bytes=1024, **config), runtime,
+        runtime = hilore_verl.attach(model, hilore_verl.RuntimeConfig(min_bytes=min_bytes))
+        session = Session(HiLoReConfig(enable=True, min_bytes=min_bytes, **config), runtime,
                           PlainPasses(model, runtime, optimizer))
     snapshot = StepSnapshot(model, optimizer)
 
@@ -414,6 +415,24 @@ def test_a_first_mini_batch_without_exposure_plans_exactly_then_calibrates_at_th
     assert session.controller.audit.risk is risk  # the audit re-scales the model the plans use
     lossy = {p.fmt for r in session.controller.history[-2:] for p in r.plan.values() if not p.exact}
     assert lossy, "a calibrated model with risk budget 0.5 compresses on this model"
+
+
+def test_probes_that_compress_nothing_leave_plans_exact_and_are_not_rerun_at_every_step(caplog, monkeypatch):
+    """Probes whose saved tensors are all below `min_bytes` compress nothing and measure no deviation: the
+    risk model stays uncalibrated, the log says why, the plans stay exact, and the calibration passes run
+    again only at a mini-batch whose probes may hold twice the tokens (not at every step)."""
+    tries = []
+    measure = calibration._calibrate
+    monkeypatch.setattr(calibration, "_calibrate", lambda *a: tries.append(a[-1]) or measure(*a))
+    _, _, session, train = _trainer(True, risk_budget=0.5, min_bytes=2**40)
+    for seed in range(3):
+        assert train(_micro_batches(seed))["hilore/risk_calibrated"] == 0.0
+    assert len(tries) == 1 and "measured no gradient deviation" in caplog.text
+    assert session._calibration_floor == 2 * tries[0]  # one rank: the ranks' bound is this rank's
+    assert all(p.exact for record in session.controller.history for p in record.plan.values())
+    session._calibration_floor = tries[0]  # as if this mini-batch's probes could hold twice the last ones
+    train(_micro_batches(3))
+    assert len(tries) == 2 and not session.controller.risk.calibrated
 
 
 def test_an_uncalibrated_state_from_a_checkpoint_calibrates_after_resuming(caplog):
