@@ -84,15 +84,15 @@ class BenchConfig:
 
     @property
     def intermediate_size(self) -> int:
-        return int(round(self.hidden_size * 8 / 3 / 64)) * 64
+        return max(1, round(self.hidden_size * 8 / 3 / 64)) * 64
 
     @property
-    def num_heads(self) -> int:  # head_dim 64
-        return max(1, self.hidden_size // 64)
+    def num_heads(self) -> int:  # head_dim 64 where the hidden size allows: the most heads <= hidden / 64 dividing it
+        return next(h for h in range(max(1, self.hidden_size // 64), 0, -1) if self.hidden_size % h == 0)
 
     @property
-    def num_kv_heads(self) -> int:  # grouped-query attention, 3 query heads per key/value head
-        return max(1, self.num_heads // 3)
+    def num_kv_heads(self) -> int:  # grouped-query attention: about 3 query heads per key/value head, dividing them
+        return next(k for k in range(max(1, self.num_heads // 3), 0, -1) if self.num_heads % k == 0)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "intermediate_size": self.intermediate_size, "num_heads": self.num_heads,

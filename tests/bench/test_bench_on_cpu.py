@@ -289,6 +289,20 @@ def test_the_packed_row_gives_the_padded_layouts_loss_and_gradient():
     assert float(grad_p @ grad_d / (grad_p.norm() * grad_d.norm())) > 0.99999
 
 
+@pytest.mark.parametrize("hidden", [16, 200, 288, 448, 1024])
+def test_any_hidden_size_gives_a_model_whose_heads_divide(hidden):
+    # hidden 448 had 7 query heads over 2 KV heads and 1024 16 over 5: SDPA refused both
+    from hilore_verl.bench.actor_update import build_model, loss_of, make_batch
+
+    config = BenchConfig(hidden_size=hidden, num_layers=1, vocab_size=256, num_groups=1, group_size=2,
+                         max_response_len=8, max_prompt_len=4, per_sequence_attention=True)
+    heads, kv = config.num_heads, config.num_kv_heads
+    assert hidden % heads == 0 and heads % kv == 0 and config.intermediate_size >= 64
+    assert hidden // heads >= min(hidden, 64) and kv == max(k for k in range(1, max(1, heads // 3) + 1) if heads % k == 0)
+    batch = make_batch(config)
+    loss_of(build_model(config), batch, batch["coef"]).backward()
+
+
 def test_a_workload_unlike_a_gpu_job_is_refused_naming_the_flag():
     from hilore_verl.bench.run import WorkloadRefused
 
