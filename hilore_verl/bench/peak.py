@@ -5,7 +5,9 @@
 Linux: large allocations are kept out of malloc's arenas (MALLOC_MMAP_THRESHOLD_, set by the parent)
 so freed memory leaves the process, and the CPU kernels' per-shape caches are off
 (run.NO_KERNEL_CACHES); after a warm-up step the kernel's high-water mark is reset
-(`/proc/self/clear_refs` <- 5) and the next step's VmHWM is read; then, on the CPU, a third step's
+(`/proc/self/clear_refs` <- 5, once a 32 MiB mapping written page by page has shown that the mark
+follows what the process writes: else the row's peak is an error, not a low figure) and the next step's
+VmHWM is read; then, on the CPU, a third step's
 tensor bytes at their most (measure/allocations.py over the state the step starts with: what the
 memory model predicts, which the resident size, with the libraries' own memory, cannot check to 5%;
 on CUDA the peak is the allocator's already). The resident peak is reported over the process's
@@ -84,8 +86,7 @@ def _peak_steps(built, batch, cuda: bool) -> tuple[int, int, int | None]:
         built.step(batch)
         peak = torch.cuda.max_memory_allocated() // 1024
     else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        _reset_checked_mark()
         before = _status_kib("VmRSS")
         built.step(batch)
         peak = _status_kib("VmHWM")
@@ -105,6 +106,8 @@ def _first_step(method: str, config, batch, cuda: bool) -> dict:
     from hilore_verl.bench import methods as M
     from hilore_verl.planner import BudgetConfig
 
+    if not cuda:
+        _reset_checked_mark()
     start = time.perf_counter()
     built = M.build(method, config, batch, BudgetConfig("gc_ratio", 1.10))
     built.step(batch)
@@ -116,6 +119,18 @@ def _first_step(method: str, config, batch, cuda: bool) -> dict:
     built_s = time.perf_counter() - start
     gc.step(batch)  # a GC step timed in the same process and environment, after one warm-up
     return {"peak_kib": peak, "first_step_s": seconds - built_s, "model_build_s": built_s, "gc_step_s": gc.step(batch)}
+
+
+def _reset_checked_mark() -> None:
+    """Reset the kernel's resident high-water mark, once it is shown to follow the pages this process writes
+    (measure/peak_memory.py); where it does not, the peak would read low: RuntimeError, the row's peak_error."""
+    from hilore_verl.measure.peak_memory import PeakMeter
+
+    why_not = PeakMeter.check_host_peak()
+    if why_not is not None:
+        raise RuntimeError(f"no physical peak in this process: {why_not}")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def state_bytes(model, optimizer) -> int:

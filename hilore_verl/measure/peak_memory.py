@@ -50,7 +50,7 @@ class PeakMeter:
         self._start: float | None = None
         if not self.cuda:
             try:
-                self.why_not = self._check_host_peak()
+                self.why_not = self.check_host_peak()
             except (OSError, RuntimeError) as err:
                 self.why_not = f"the resident high-water mark cannot be reset or read here ({err})"
 
@@ -80,7 +80,7 @@ class PeakMeter:
         return static_bytes + max(added, 0.0)
 
     @classmethod
-    def _check_host_peak(cls) -> str | None:
+    def check_host_peak(cls) -> str | None:
         """Reset the mark, touch every page of a fresh anonymous mapping (no malloc in between), read the mark:
         None where it rose by the mapping, else why the mark cannot be used here."""
         cls._reset_host_peak()

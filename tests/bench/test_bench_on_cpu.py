@@ -408,3 +408,15 @@ def test_a_planner_moved_to_another_budget_hands_that_budget_to_its_peak_process
     assert fresh.controller.memory_budget == pytest.approx(method.controller.memory_budget)
     fresh.step(batch)
     assert fresh.controller.history[-1].plan == method.controller.history[-1].plan
+
+
+def test_a_peak_process_whose_mark_does_not_follow_its_pages_gives_an_error_not_a_low_peak(monkeypatch):
+    from hilore_verl.bench import peak
+    from hilore_verl.measure.peak_memory import PeakMeter
+
+    monkeypatch.setattr(PeakMeter, "check_host_peak", classmethod(lambda cls: "the mark rose by 0.0 MiB"))
+    monkeypatch.setattr(peak, "_status_kib", lambda key: pytest.fail(f"{key} read"))
+    with pytest.raises(RuntimeError, match="no physical peak in this process: the mark rose by 0.0 MiB"):
+        peak._peak_steps(None, None, cuda=False)
+    with pytest.raises(RuntimeError, match="no physical peak in this process"):
+        peak._first_step("hilore", None, None, cuda=False)
