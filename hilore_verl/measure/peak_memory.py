@@ -64,7 +64,7 @@ class PeakMeter:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             return
-        self._reset_host_peak()
+        self.reset_host_peak()
         self._start = float(host_memory.resident_bytes())
 
     def read(self, static_bytes: float) -> float | None:
@@ -83,7 +83,7 @@ class PeakMeter:
     def check_host_peak(cls) -> str | None:
         """Reset the mark, touch every page of a fresh anonymous mapping (no malloc in between), read the mark:
         None where it rose by the mapping, else why the mark cannot be used here."""
-        cls._reset_host_peak()
+        cls.reset_host_peak()
         start = host_memory.resident_bytes()
         block = mmap.mmap(-1, CHECK_BYTES)
         try:
@@ -97,6 +97,6 @@ class PeakMeter:
         return None
 
     @staticmethod
-    def _reset_host_peak() -> None:
+    def reset_host_peak() -> None:
         with open(CLEAR_REFS, "w") as f:
             f.write("5")

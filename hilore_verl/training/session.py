@@ -208,7 +208,7 @@ class Session:
             self._calibrated_on(tokens)
 
     def _calibrated_on(self, tokens: int, late: bool = True) -> None:
-        """What a calibration's figure (`calibration.calibrate_risk`) means for the plans, said once each;
+        """What a calibration's figure (`calibration.calibrate_risk`) means for the plans, said in one line;
         probes that measured nothing set the next try's floor at twice their tokens."""
         risk = self.controller.risk
         if risk.calibrated and late:

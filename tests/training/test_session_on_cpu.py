@@ -367,7 +367,7 @@ def test_a_cpu_peak_meter_whose_mark_does_not_rise_says_why_and_is_not_used(monk
     from hilore_verl.measure.peak_memory import PeakMeter
 
     mark = []  # set to the resident size by the reset, and never raised
-    monkeypatch.setattr(PeakMeter, "_reset_host_peak", staticmethod(lambda: mark.append(host_memory.resident_bytes())))
+    monkeypatch.setattr(PeakMeter, "reset_host_peak", staticmethod(lambda: mark.append(host_memory.resident_bytes())))
     monkeypatch.setattr(host_memory, "peak_resident_bytes", lambda: mark[-1])
     meter = PeakMeter(cuda=False)
     assert not meter.available and "high-water mark rose by" in meter.why_not
